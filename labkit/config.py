@@ -1,0 +1,117 @@
+"""RunConfig: the one frozen, validated description of a run."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Strategy name -> how many rank processes it runs on. "one" strategies run in a single process
+# (DataParallel drives several devices from one process); "world" ones run one rank per worker.
+STRATEGY_RANKS = {
+    "single": "one",
+    "dp": "one",
+    "ddp": "world",
+    "ddp_naive": "world",
+    "model_parallel": "world",
+    "pipeline_gpipe": "world",
+    "pipeline_1f1b": "world",
+}
+PIPELINE_STRATEGIES = ("model_parallel", "pipeline_gpipe", "pipeline_1f1b")
+MODELS = ("mlp", "cnn", "unbalanced_mlp")
+DEVICES = ("auto", "cpu", "cuda")
+PIPELINE_IMPLS = ("scratch", "torch")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that describes one run; sweep with ``dataclasses.replace``."""
+
+    strategy: str = "ddp"
+    world_size: int = 2          # ranks (DDP, pipeline) or devices (DataParallel); 1 for single
+    steps: int = 20              # measured optimizer steps per rank
+    warmup: int = 2              # unmeasured steps first (allocator, thread pools, gloo pairs)
+    global_batch: int = 64       # samples per optimizer step, summed over all ranks
+    lr: float = 0.05
+    seed: int = 0                # model init and data order; same seed -> same run on any strategy
+
+    model: str = "mlp"
+    in_features: int = 32
+    width: int = 256
+    depth: int = 4               # hidden layers
+    classes: int = 10
+    dataset_size: int = 4096
+
+    device: str = "auto"         # auto: one GPU per rank if there are enough, else CPU processes
+    backend: str | None = None   # None: nccl on GPUs, gloo on CPU
+    threads: int | None = None   # torch threads per rank; None: cores // ranks (never oversubscribe)
+
+    stages: int = 2              # pipeline depth P (pipeline strategies put one stage per rank)
+    microbatches: int = 4        # M micro-batches per step (pipeline strategies)
+    pipeline_impl: str = "scratch"  # "scratch": labkit's own schedule; "torch": torch.distributed.pipelining
+    balance: bool = False        # partition stages by measured layer cost instead of layer count
+
+    deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final params
+    timeout_s: float = 300.0     # a launch (and every collective) gives up after this long
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGY_RANKS:
+            raise ValueError(
+                f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_RANKS)}")
+        for name in ("world_size", "steps", "global_batch", "in_features", "width", "depth",
+                     "classes", "dataset_size", "stages", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(MODELS)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.backend not in (None, "gloo", "nccl", "mpi"):
+            raise ValueError(f"backend must be gloo, nccl, mpi or None, got {self.backend!r}")
+        if self.pipeline_impl not in PIPELINE_IMPLS:
+            raise ValueError(f"pipeline_impl must be one of {PIPELINE_IMPLS}, got {self.pipeline_impl!r}")
+        if self.strategy == "single" and self.world_size != 1:
+            raise ValueError(f"single runs on one device: set world_size=1 (got {self.world_size})")
+        if self.strategy in PIPELINE_STRATEGIES:
+            if self.world_size != self.stages:
+                raise ValueError(
+                    f"{self.strategy} puts one stage on each rank: set world_size == stages "
+                    f"(got world_size={self.world_size}, stages={self.stages})")
+            if self.global_batch % self.microbatches:
+                raise ValueError(
+                    f"global batch {self.global_batch} is not divisible by {self.microbatches} "
+                    f"micro-batches: pick a batch that is a multiple of microbatches")
+            if self.stages > self.depth + 1:
+                raise ValueError(
+                    f"a {self.model} of depth {self.depth} has {self.depth + 1} layers, too few for "
+                    f"{self.stages} stages: raise depth or lower stages")
+        elif self.global_batch % self.world_size:
+            raise ValueError(
+                f"global batch {self.global_batch} is not divisible by world size {self.world_size}: "
+                f"pick a global batch that is a multiple of {self.world_size}")
+        if self.dataset_size < self.global_batch:
+            raise ValueError(
+                f"dataset_size {self.dataset_size} is smaller than one global batch "
+                f"({self.global_batch}): raise dataset_size or lower global_batch")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1 or None, got {self.threads}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    @property
+    def ranks(self) -> int:
+        """How many processes this run launches."""
+        return self.world_size if STRATEGY_RANKS[self.strategy] == "world" else 1
+
+    @property
+    def batch_per_rank(self) -> int:
+        """Samples each rank (DDP) or each micro-batch (pipeline) sees per step."""
+        if self.strategy in PIPELINE_STRATEGIES:
+            return self.global_batch // self.microbatches
+        return self.global_batch // self.ranks
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

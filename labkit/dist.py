@@ -1,0 +1,182 @@
+"""Process groups: set up, use, and always tear down.
+
+``setup``/``cleanup`` are the two functions the articles teach; ``session`` is the same thing as a
+context manager that picks the backend from the device, binds to loopback, applies a timeout,
+hands back an immutable ``RankContext`` and destroys the group even when training raises.
+Under ``torchrun`` the same ``session()`` call reads RANK/WORLD_SIZE/LOCAL_RANK from the
+environment, so strategy code runs unchanged.
+"""
+from __future__ import annotations
+
+import builtins
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .env import default_backend, resolve_device
+
+
+def _no_report(**metrics) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Who this process is in the group, and where its tensors live."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str | None                 # None when no process group is set up (single process)
+    # Sends a small dict of metrics to whoever launched this rank (the notebook's progress bars);
+    # a no-op under torchrun or in a single process.
+    report: Callable[..., None] = field(default=_no_report, repr=False, compare=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None and dist.is_available() and dist.is_initialized()
+
+
+def local_context(device: str = "auto", report: Callable[..., None] = _no_report) -> RankContext:
+    """The context of a plain single process: rank 0 of 1, no process group."""
+    kind = resolve_device(device, 1)
+    dev = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    return RankContext(0, 0, 1, dev, None, report)
+
+
+def setup(rank: int, world_size: int, backend: str | None = None, *,
+          master_addr: str | None = None, master_port: int | None = None,
+          timeout_s: float = 300.0) -> RankContext:
+    """The articles' ``setup(rank, world_size)``, without the fixed port and the forced backend.
+
+    Rendezvous is through MASTER_ADDR/MASTER_PORT (``labkit.launch(..., setup=False)`` and
+    torchrun set both); pair every call with ``cleanup()``, or use ``session()`` which cannot forget.
+    """
+    os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if master_port is not None:
+        os.environ["MASTER_PORT"] = str(master_port)
+    if "MASTER_PORT" not in os.environ:
+        raise ValueError("no MASTER_PORT: pass master_port=... (a free port), or start the ranks "
+                         "with labkit.launch(..., setup=False) or torchrun, which set it")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = _device_for(local_rank, "auto" if backend != "gloo" else "cpu", world_size)
+    backend = backend or default_backend(device.type)
+    _init(backend, device, "env://", rank=rank, world_size=world_size, timeout_s=timeout_s)
+    return RankContext(rank, local_rank, world_size, device, backend)
+
+
+def cleanup() -> None:
+    """Destroy the default process group if there is one (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def session(rank: int | None = None, world_size: int | None = None, *, device: str = "auto",
+            backend: str | None = None, store: "dist.Store | None" = None,
+            timeout_s: float = 300.0,
+            report: Callable[..., None] = _no_report) -> Iterator[RankContext]:
+    """Set up the default process group, yield this rank's context, always destroy the group.
+
+    With no rank/world_size, read them from the torchrun environment (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``store`` is how ``labkit.launch`` rendezvouses
+    (a TCPStore the launcher holds, so two launches can never race for one port).
+    """
+    if rank is None or world_size is None:
+        try:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except KeyError:
+            raise ValueError("session() needs rank and world_size, or a torchrun environment "
+                             "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)") from None
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    dev = _device_for(local_rank, device, local_world)
+    backend = backend or default_backend(dev.type)
+    init = None if store is not None else "env://"
+    _init(backend, dev, init, rank=rank, world_size=world_size, timeout_s=timeout_s, store=store)
+    try:
+        yield RankContext(rank, local_rank, world_size, dev, backend, report)
+    finally:
+        cleanup()
+
+
+def _device_for(local_rank: int, device: str, local_world: int) -> torch.device:
+    kind = resolve_device(device, local_world)
+    if kind == "cuda":
+        torch.cuda.set_device(local_rank)    # before any CUDA work: NCCL binds to this device
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _init(backend: str, device: torch.device, init_method: str | None, *, rank: int,
+          world_size: int, timeout_s: float, store=None) -> None:
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("nccl needs GPU tensors; on CPU ranks use backend='gloo' (or None)")
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+# ---- rank-aware output -------------------------------------------------------------------------
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def print0(*args, **kwargs) -> None:
+    """print on rank 0 only (every rank printing the same line is noise, in a random order)."""
+    if _rank_and_world()[0] == 0:
+        builtins.print(*args, **kwargs)
+
+
+def rprint(*args, **kwargs) -> None:
+    """print with a ``[rank r/w]`` prefix, for output that differs between ranks."""
+    rank, world = _rank_and_world()
+    builtins.print(f"[rank {rank}/{world}]", *args, **kwargs)
+
+
+# ---- cross-rank reductions ---------------------------------------------------------------------
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def reduce_scalar(value: float, op: str = "mean", device: torch.device | None = None) -> float:
+    """Combine one number from every rank: sum, mean, max (e.g. step time: the slowest rank
+    gates the step) or min. Identity when no process group is set up."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return float(value)
+    if op not in (*_OPS, "mean"):
+        raise ValueError(f"op must be one of sum, mean, max, min; got {op!r}")
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device or "cpu")
+    dist.all_reduce(t, op=_OPS.get(op, dist.ReduceOp.SUM))
+    if op == "mean":
+        t /= dist.get_world_size()
+    return float(t.item())
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Average a tensor over ranks in place (what data parallelism does to every gradient)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor /= dist.get_world_size()
+    return tensor
+
+
+def gather_to_main(obj) -> list | None:
+    """Collect one picklable object per rank on rank 0 (others get None)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
