@@ -1,0 +1,29 @@
+"""Training strategies, one module each, all with the same entry point.
+
+``run(cfg, ctx, model_fn=None, data_fn=None) -> {"records": [...], "params": ..., "notes": [...]}``
+runs inside one rank process; ``run_rank`` is what the launcher and torchrun call.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ..config import STRATEGY_RANKS, RunConfig
+from ..dist import RankContext
+
+# strategy name -> module in this package
+_MODULES = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp_naive": "ddp_naive",
+            "model_parallel": "model_parallel", "pipeline_gpipe": "pipeline",
+            "pipeline_1f1b": "pipeline"}
+assert set(_MODULES) == set(STRATEGY_RANKS)
+
+
+def get(name: str):
+    """The module implementing strategy ``name``."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown strategy {name!r}: choose one of {', '.join(_MODULES)}")
+    return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+
+
+def run_rank(ctx: RankContext, cfg: RunConfig, model_fn=None, data_fn=None) -> dict:
+    """One rank of ``cfg.strategy``: what ``labkit.launch`` runs on every rank."""
+    return get(cfg.strategy).run(cfg, ctx, model_fn=model_fn, data_fn=data_fn)

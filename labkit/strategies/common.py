@@ -1,0 +1,114 @@
+"""What every data-parallel strategy shares: building the model and data, and the training loop.
+
+The loop is written once so that the strategies differ only in how they prepare the model, the
+data and the gradient synchronisation. That difference is the lesson: diff single.py and ddp.py.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..data import batches, make_dataset, shard_loader
+from ..dist import RankContext
+from ..models import make_model
+from ..probes import StepProbe
+
+ModelFn = Callable[[RunConfig], nn.Module]
+DataFn = Callable[[RunConfig], torch.utils.data.Dataset]
+
+
+def set_check_mode(cfg: RunConfig) -> None:
+    """Deterministic kernels and no TF32, so strategies can be compared to 1e-5 on GPUs too."""
+    if not cfg.deterministic:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS initialises
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+
+
+def build_model(cfg: RunConfig, ctx: RankContext, model_fn: ModelFn | None = None) -> nn.Module:
+    """The same initial weights on every rank and every strategy: seed, build, move."""
+    set_check_mode(cfg)
+    torch.manual_seed(cfg.seed)
+    model = model_fn(cfg) if model_fn is not None else make_model(cfg)
+    return model.to(ctx.device)
+
+
+def data_iter(cfg: RunConfig, data_fn: DataFn | None, rank: int, world_size: int,
+              batch_size: int):
+    """This rank's endless batches, and its loader (for a side batch that leaves the order be)."""
+    dataset = data_fn(cfg) if data_fn is not None else make_dataset(cfg)
+    loader = shard_loader(dataset, batch_size, rank, world_size, seed=cfg.seed)
+    return batches(loader), loader
+
+
+def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterator, *,
+               strategy: str, sync_grads: Callable[[], None] | None = None,
+               calibrate: Callable[[], float] | None = None, comm_bytes: int = 0,
+               params: Callable[[], dict] | None = None, notes: list[str] | None = None) -> dict:
+    """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
+
+    ``sync_grads`` runs between backward and the optimizer (hand-written all-reduce);
+    ``calibrate`` runs once after warm-up and returns the backward time with communication off,
+    so the probe can split DDP's overlapped backward into compute and exposed communication.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()     # mean over the local batch; ranks then average grads
+    probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
+                      device=str(ctx.device), global_batch=cfg.global_batch)
+    comm_baseline_s, records, total = None, [], cfg.warmup + cfg.steps
+    for i in range(total):
+        if i == cfg.warmup and calibrate is not None:
+            comm_baseline_s = calibrate()
+        probe.start()
+        x, y = next(data)
+        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+        probe.mark("data")
+        loss = loss_fn(model(x), y)
+        probe.mark("forward")
+        loss.backward()
+        probe.mark("backward")
+        if sync_grads is not None:
+            sync_grads()
+        probe.mark("comm")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        probe.mark("optimizer")
+        rec = probe.finish(i - cfg.warmup, loss.item(), len(x), comm_baseline_s=comm_baseline_s,
+                           comm_bytes=comm_bytes)
+        if i >= cfg.warmup:
+            records.append(rec)
+        ctx.report(step=i + 1, total=total, loss=rec["loss"])
+    final = params() if params is not None else dict(model.named_parameters())
+    return {"records": records, "notes": notes or [],
+            "params": {k: v.detach().cpu().clone() for k, v in final.items()}
+            if cfg.deterministic else None}
+
+
+def backward_time_without_comm(model, loss_fn, batch, device, repeats: int = 5) -> float:
+    """Median backward time under DDP's ``no_sync()`` (no all-reduce); grads are cleared after."""
+    x, y = (t.to(device) for t in batch)
+    times = []
+    for _ in range(repeats):
+        with model.no_sync():
+            loss = loss_fn(model(x), y)
+            _sync(device)
+            t0 = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,34 @@
+"""nn.DataParallel: one process, the model replicated onto every visible GPU on each forward.
+
+Each step scatters the batch, copies the weights to every GPU, runs the replicas in threads,
+gathers the outputs on the first GPU and reduces gradients there. It is a single process (the GIL
+and the first GPU become bottlenecks) and it cannot span machines, which is why PyTorch recommends
+DistributedDataParallel even on one machine.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..dist import RankContext
+from .common import build_model, data_iter, train_loop
+
+
+def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
+    model = build_model(cfg, ctx, model_fn)
+    gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+    notes = []
+    if gpus == 0:
+        notes.append("DataParallel found no GPU, so it runs the whole batch on one CPU device, "
+                     "exactly like single: it only splits work across GPUs. On CPU (and across "
+                     "machines) use DDP, one process per rank.")
+        dp_model = nn.DataParallel(model)
+    else:
+        used = min(cfg.world_size, gpus)
+        if used < cfg.world_size:
+            notes.append(f"world_size={cfg.world_size} but only {gpus} GPU(s): DataParallel uses {used}.")
+        dp_model = nn.DataParallel(model, device_ids=list(range(used)))
+    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.global_batch)
+    return train_loop(cfg, ctx, dp_model, data, strategy="dp", notes=notes,
+                      params=lambda: dict(model.named_parameters()))
