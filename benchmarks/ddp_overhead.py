@@ -1,0 +1,180 @@
+"""labkit's DDP trainer vs a minimal hand-written DDP loop: same model, data, ranks and launcher.
+
+    python benchmarks/ddp_overhead.py [--steps 40] [--rounds 4] [--width 512] [--quick] [--json PATH]
+
+Both sides run through ``labkit.launch`` (so process start-up is identical, and not timed) and
+alternate round by round, so a noisy neighbour slows both. A step's time is the max over ranks
+(the slowest rank gates the step); each side's figure is the median over all measured steps of
+all rounds. The last line is ``labkit/raw step-time ratio: X.XX`` (goal <= 1.05).
+
+What is compared: labkit's ``step_s`` (its probe: data -> forward -> backward -> optimizer step
++ zero_grad) against ``perf_counter`` around the same work plus ``loss.item()`` in the raw loop.
+labkit's DDP strategy also runs a calibration (5 backward passes under ``no_sync``) once, after
+warm-up and before its first measured step's ``probe.start()``: it is outside every ``step_s``.
+What ``step_s`` cannot see is labkit's per-step work between steps (``probe.finish`` building the
+record, ``ctx.report`` sending progress down a pipe); the "loop period" lines show it, timed in
+the parent from the progress messages' arrival.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import labkit
+from labkit.config import RunConfig
+from labkit.data import batches, make_dataset, shard_loader
+from labkit.models import make_model
+from labkit.probes import probe_overhead_s
+from labkit.strategies import run_rank
+
+WORLD_SIZE = 2
+GOAL_RATIO = 1.05
+
+
+def raw_ddp_rank(ctx, cfg: RunConfig) -> list[float]:
+    """The hand-written baseline: DDP as the PyTorch tutorial writes it, timed per step."""
+    torch.manual_seed(cfg.seed)
+    model = DDP(make_model(cfg).to(ctx.device))
+    loader = shard_loader(make_dataset(cfg), cfg.global_batch // ctx.world_size, ctx.rank,
+                          ctx.world_size, seed=cfg.seed)
+    data = batches(loader)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    times = []
+    for i in range(cfg.warmup + cfg.steps):
+        t0 = time.perf_counter()
+        x, y = next(data)
+        loss = loss_fn(model(x.to(ctx.device)), y.to(ctx.device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        if i >= cfg.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_labkit(cfg: RunConfig) -> tuple[list[float], list[float]]:
+    """Per-step max-over-ranks ``step_s``, and the loop period seen from progress messages."""
+    arrivals: dict[int, dict[int, float]] = {r: {} for r in range(WORLD_SIZE)}
+
+    def on_progress(rank: int, metrics: dict) -> None:
+        arrivals[rank][metrics["step"]] = time.perf_counter()
+
+    results = labkit.launch(run_rank, WORLD_SIZE, args=(cfg,), device="cpu",
+                            timeout_s=cfg.timeout_s, on_progress=on_progress)
+    per_rank = [[rec["step_s"] for rec in res["records"]] for res in results]
+    # Progress step k arrives after loop iteration k; the measured ones are warmup+1 .. total.
+    # The first measured gap also holds the calibration, so periods start one step later.
+    first = cfg.warmup + 2
+    periods = [max(arrivals[r][k] - arrivals[r][k - 1] for r in range(WORLD_SIZE))
+               for k in range(first, cfg.warmup + cfg.steps + 1)]
+    return _max_over_ranks(per_rank), periods
+
+
+def run_raw(cfg: RunConfig) -> list[float]:
+    results = labkit.launch(raw_ddp_rank, WORLD_SIZE, args=(cfg,), device="cpu",
+                            timeout_s=cfg.timeout_s)
+    return _max_over_ranks(results)
+
+
+def _max_over_ranks(per_rank: list[list[float]]) -> list[float]:
+    return [max(step) for step in zip(*per_rank)]
+
+
+def measure(cfg: RunConfig, rounds: int) -> dict:
+    """Alternate labkit and raw for ``rounds`` rounds (who goes first alternates too)."""
+    labkit.launch(raw_ddp_rank, WORLD_SIZE, args=(cfg.replace(steps=1, warmup=0),),
+                  device="cpu", timeout_s=cfg.timeout_s)   # start the forkserver, untimed
+    out = {"labkit": [], "raw": [], "labkit_period": [], "rounds": []}
+    for i in range(rounds):
+        medians = {}
+        for side in (("labkit", "raw") if i % 2 == 0 else ("raw", "labkit")):
+            if side == "labkit":
+                steps, periods = run_labkit(cfg)
+                out["labkit_period"] += periods
+            else:
+                steps = run_raw(cfg)
+            out[side] += steps
+            medians[side] = statistics.median(steps)
+        out["rounds"].append(medians)
+    return out
+
+
+def summarise(measured: dict, probe_s: float) -> dict:
+    med = {k: statistics.median(measured[k]) for k in ("labkit", "raw", "labkit_period")}
+    return {
+        "median_step_s": {"labkit": med["labkit"], "raw": med["raw"]},
+        "median_loop_period_s": {"labkit": med["labkit_period"], "raw": med["raw"]},
+        "round_ratios": [r["labkit"] / r["raw"] for r in measured["rounds"]],
+        "probe_overhead_s": probe_s,
+        "probe_overhead_fraction": probe_s / med["labkit"],
+        "loop_period_ratio": med["labkit_period"] / med["raw"],
+        "ratio": med["labkit"] / med["raw"],
+    }
+
+
+def print_report(cfg: RunConfig, rounds: int, s: dict) -> None:
+    print(f"DDP, {WORLD_SIZE} CPU ranks on gloo, {cfg.model} width {cfg.width} depth "
+          f"{cfg.depth}, global batch {cfg.global_batch}; {rounds} rounds x {cfg.steps} steps "
+          f"(+{cfg.warmup} warm-up); {_cores()} CPU cores; torch {torch.__version__}")
+    for i, r in enumerate(s["round_ratios"]):
+        print(f"round {i}: labkit/raw {r:.3f}")
+    print(f"median step (max over ranks): labkit {s['median_step_s']['labkit'] * 1e3:.3f} ms, "
+          f"raw {s['median_step_s']['raw'] * 1e3:.3f} ms")
+    print(f"loop period incl. record + progress send (parent clock): labkit "
+          f"{s['median_loop_period_s']['labkit'] * 1e3:.3f} ms, ratio to raw step "
+          f"{s['loop_period_ratio']:.2f} (approximate: parent wake-up jitter)")
+    print(f"probe overhead: {s['probe_overhead_s'] * 1e6:.1f} us per step "
+          f"({s['probe_overhead_fraction'] * 100:.2f}% of labkit's median step)")
+    print(f"goal labkit/raw <= {GOAL_RATIO}: {'met' if s['ratio'] <= GOAL_RATIO else 'NOT met'}")
+    print(f"labkit/raw step-time ratio: {s['ratio']:.2f}")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="measured steps per run")
+    parser.add_argument("--rounds", type=int, default=4, help="labkit/raw alternations")
+    parser.add_argument("--width", type=int, default=512, help="MLP hidden width")
+    parser.add_argument("--quick", action="store_true", help="1 round of 8 small steps: a smoke run")
+    parser.add_argument("--json", metavar="PATH", help="also write samples and medians here")
+    args = parser.parse_args(argv)
+    steps, rounds, width = (8, 1, 64) if args.quick else (args.steps, args.rounds, args.width)
+    if steps < 2 or rounds < 1:
+        parser.error("--steps must be at least 2 and --rounds at least 1")
+    cfg = RunConfig(strategy="ddp", world_size=WORLD_SIZE, steps=steps, warmup=5, width=width,
+                    device="cpu", timeout_s=300.0)
+    measured = measure(cfg, rounds)
+    summary = summarise(measured, probe_overhead_s("cpu"))
+    if args.json:
+        out = {"benchmark": "ddp_overhead", "cfg": cfg.to_dict(), "rounds": rounds,
+               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "machine": {"cpu_cores": _cores(), "platform": platform.platform(),
+                           "python": platform.python_version(), "torch": torch.__version__},
+               "samples_s": {k: measured[k] for k in ("labkit", "raw", "labkit_period")},
+               **summary}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    print_report(cfg, rounds, summary)   # last, so its last line is the ratio
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
