@@ -1,7 +1,29 @@
-"""labkit: see distributed PyTorch training run, from a notebook or a terminal."""
+"""labkit: see distributed PyTorch training run, from a notebook or a terminal.
+
+    import labkit
+    labkit.env_probe()                                   # what this machine has
+    labkit.launch(fn, world_size=2)                      # fn(ctx) on 2 rank processes
+    res = labkit.run(labkit.RunConfig(strategy="ddp"))   # one strategy, measured
+"""
 from .config import RunConfig
 from .dist import RankContext, cleanup, print0, reduce_scalar, rprint, session, setup
 from .env import probe as env_probe
 from .launch import LaunchCancelled, LaunchError, LaunchTimeout, RankError, launch
 
 __version__ = "0.1.0"
+
+# pandas/plotly-backed parts load on first use, so rank processes (which import labkit) stay lean.
+_LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment",
+         "check": "experiment", "grid": "experiment", "run_panel": "widgets"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+
+
+__all__ = ["RunConfig", "RankContext", "session", "setup", "cleanup", "print0", "rprint",
+           "reduce_scalar", "env_probe", "launch", "LaunchError", "RankError", "LaunchTimeout",
+           "LaunchCancelled", *_LAZY]

@@ -54,7 +54,8 @@ class EnvReport:
         return dataclasses.asdict(self)
 
     def lines(self) -> list[str]:
-        out = [f"python {self.python}, torch {self.torch}, CUDA {self.cuda or 'none'}",
+        cuda = f"built for CUDA {self.cuda}" if self.cuda else "CPU-only build"
+        out = [f"python {self.python}, torch {self.torch} ({cuda})",
                f"CPU cores: {self.cpu_cores}"]
         if self.devices:
             out += [f"cuda:{d.index}  {d.name}  {d.memory_gib:.1f} GiB  sm_{d.capability}"
@@ -85,7 +86,7 @@ class EnvReport:
     def _table(self) -> dict:
         gpus = "; ".join(f"cuda:{d.index} {d.name} ({d.memory_gib:.1f} GiB, sm_{d.capability})"
                          for d in self.devices) or "none"
-        return {"Python": self.python, "torch": self.torch, "CUDA": self.cuda or "none",
+        return {"Python": self.python, "torch": self.torch, "torch built for CUDA": self.cuda or "none (CPU-only build)",
                 "GPUs": gpus, "CPU cores": self.cpu_cores,
                 "backends": ", ".join(k for k, v in self.backends.items() if v),
                 "labkit device / backend": f"{self.device} / {self.backend}",

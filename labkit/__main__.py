@@ -1,0 +1,207 @@
+"""labkit's command line: ``python -m labkit {env,compare,check,demo}``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+from .config import RunConfig
+
+DP_STRATEGIES = "single,dp,ddp,ddp_naive"
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The RunConfig knobs every sub-command (and the torchrun worker) accepts."""
+    d = RunConfig()
+    g = p.add_argument_group("run config")
+    g.add_argument("--steps", type=int, default=d.steps, help="measured steps per run")
+    g.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured steps first")
+    g.add_argument("--global-batch", type=int, default=d.global_batch,
+                   help="samples per step over all ranks")
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--model", default=d.model, help="mlp, cnn or unbalanced_mlp")
+    g.add_argument("--width", type=int, default=d.width)
+    g.add_argument("--depth", type=int, default=d.depth)
+    g.add_argument("--dataset-size", type=int, default=d.dataset_size)
+    g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    g.add_argument("--backend", default=None, help="gloo, nccl (default: from the device)")
+    g.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages P")
+    g.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches M")
+    g.add_argument("--pipeline-impl", default=d.pipeline_impl, help="scratch or torch")
+    g.add_argument("--balance", action="store_true", help="partition stages by measured cost")
+    g.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per launch")
+
+
+def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
+    fields = dict(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch, lr=args.lr,
+                  seed=args.seed, model=args.model, width=args.width, depth=args.depth,
+                  dataset_size=args.dataset_size, device=args.device, backend=args.backend,
+                  threads=args.threads, stages=args.stages, microbatches=args.microbatches,
+                  pipeline_impl=args.pipeline_impl, balance=args.balance, timeout_s=args.timeout)
+    fields.update(override)
+    return RunConfig(**fields)
+
+
+def _csv(text: str, cast=str) -> list:
+    return [cast(t) for t in text.split(",") if t.strip()]
+
+
+def cmd_env(args) -> int:
+    from .env import probe
+    report = probe()
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from . import experiment, plots
+    base = config_from_args(args, strategy="single", world_size=1)
+    configs = experiment.grid(base, _csv(args.strategies), _csv(args.world_sizes, int))
+    print(f"running {len(configs)} configurations: "
+          + ", ".join(f"{c.strategy}@{c.world_size}" for c in configs), flush=True)
+    with _Progress() as progress:
+        records = experiment.compare(configs, on_progress=progress.update)
+    table = experiment.summarize(records)
+    _print_table(table)
+    for key, notes in records.attrs.get("notes", {}).items():
+        for note in notes:
+            print(f"note ({key}): {note}")
+    if args.json:
+        experiment.save_records(records, args.json, config=base.to_dict(),
+                                summary=json.loads(table.to_json(orient="records")))
+        print(f"records: {args.json} ({len(records)} rows)")
+    if args.html:
+        figs = [plots.throughput(table), plots.breakdown(records), plots.efficiency(table),
+                plots.loss_curves(records)]
+        _write_html(args.html, "labkit compare", table, figs)
+        print(f"report: {args.html}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from . import experiment
+    base = config_from_args(args, strategy="single", world_size=1)
+    result = experiment.check(base, _csv(args.strategies), args.world_size, steps=args.steps,
+                              tol=args.tol)
+    print(result.to_string(index=False))
+    bad = result[~result["ok"]]
+    if len(bad):
+        print(f"FAILED: {', '.join(bad['strategy'])} differ from single by more than {args.tol:g}")
+        return 1
+    print(f"all strategies match single within {args.tol:g} after {args.steps} steps")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job: what this machine has, then the data-parallel comparison and the check."""
+    from .env import probe
+    report = probe()
+    print("== environment\n" + str(report) + "\n", flush=True)
+    sizes = sorted({1, *[w for w in (2, 4, 8) if w <= max(2, report.max_world_size)]})
+    os.makedirs(args.out, exist_ok=True)
+    compare_args = argparse.Namespace(**{**vars(args), "strategies": args.strategies,
+                                         "world_sizes": ",".join(map(str, sizes)),
+                                         "json": os.path.join(args.out, "demo.json"),
+                                         "html": os.path.join(args.out, "demo.html")})
+    print("== compare", flush=True)
+    cmd_compare(compare_args)
+    print("\n== equivalence check (5 steps, deterministic)", flush=True)
+    check_args = argparse.Namespace(**{**vars(args), "steps": 5, "world_size": 2, "tol": 1e-5})
+    return cmd_check(check_args)
+
+
+class _Progress:
+    """One tqdm bar per run (rank 0's steps); silent when stderr is not a terminal."""
+
+    def __enter__(self):
+        self.bar, self.key = None, None
+        return self
+
+    def update(self, cfg, rank, metrics) -> None:
+        from tqdm.auto import tqdm
+        if rank != 0:
+            return
+        key = (cfg.strategy, cfg.world_size)
+        if key != self.key:
+            self._close()
+            self.key = key
+            self.bar = tqdm(total=metrics["total"], desc=f"{cfg.strategy}@{cfg.world_size}",
+                            leave=False, disable=None)
+        self.bar.update(metrics["step"] - self.bar.n)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+    def __exit__(self, *exc):
+        self._close()
+
+
+def _print_table(table) -> None:
+    cols = {"strategy": "strategy", "world_size": "world", "samples_per_s": "samples/s",
+            "step_ms": "step ms (max rank)", "comm_share": "exposed comm",
+            "speedup": "speed-up", "efficiency": "efficiency", "final_loss": "loss"}
+    shown = table[[c for c in cols if c in table]].rename(columns=cols)
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if "oversubscribed" in table and table["oversubscribed"].any():
+        print("! rows with more CPU ranks than cores are time-shared: their speed-up is not "
+              "parallelism")
+
+
+def _write_html(path: str, title: str, table, figs) -> None:
+    parts = [f"<h1>{title}</h1>", table.to_html(index=False, float_format=lambda v: f"{v:.3g}")]
+    for i, fig in enumerate(figs):           # plotly.js inline once: the report works offline
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
+    with open(path, "w") as f:
+        f.write("<html><head><meta charset='utf-8'></head><body>" + "".join(parts)
+                + "</body></html>")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("env", help="what this machine has and what labkit will use")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("compare", help="run strategies over world sizes and compare them")
+    p.add_argument("--strategies", default="single,dp,ddp")
+    p.add_argument("--world-sizes", default="1,2")
+    p.add_argument("--json", help="write per-rank records here")
+    p.add_argument("--html", help="write a plotly report here")
+    add_config_args(p)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("check", help="do strategies reach the same parameters as single?")
+    p.add_argument("--strategies", default=DP_STRATEGIES)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--tol", type=float, default=1e-5)
+    add_config_args(p)
+    p.set_defaults(func=cmd_check, steps=5)
+
+    p = sub.add_parser("demo", help="environment report, strategy comparison and check")
+    p.add_argument("--strategies", default=DP_STRATEGIES)
+    p.add_argument("--out", default="out", help="folder for demo.json and demo.html")
+    add_config_args(p)
+    p.set_defaults(func=cmd_demo, steps=30)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            return args.func(args)
+    except ValueError as exc:             # bad input: one line saying what to change
+        print(f"labkit: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Pipeline parallelism: stages on separate ranks, the global batch cut into M micro-batches.
+
+Two schedules, each in two implementations (naive beside real):
+
+* GPipe: every stage runs all M forwards, then all M backwards. Simple; a stage holds the
+  activations of all M micro-batches until their backward.
+* 1F1B: after a warm-up of (P - stage - 1) forwards, each stage alternates one forward and one
+  backward, so it holds at most P micro-batches. Same bubble as GPipe, less memory.
+
+``pipeline_impl="scratch"`` is ~60 lines below: point-to-point ``isend``/``recv`` over the process
+group (gloo on CPU). ``"torch"`` is ``torch.distributed.pipelining`` (``PipelineStage`` with
+``ScheduleGPipe``/``Schedule1F1B``). Both scale each micro-batch's mean loss by 1/M, so the
+gradients, and after K steps the parameters, equal single-device training on the global batch.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import timeline
+from ..config import RunConfig
+from ..dist import RankContext
+from ..probes import sync
+from .stages import ActivationMeter, Stage, StepOut, make_stage, train_stages
+
+_SCHEDULES = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "model_parallel": "model_parallel"}
+
+
+def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
+    schedule = _SCHEDULES[cfg.strategy]
+    stage = make_stage(cfg, ctx, model_fn, data_fn)
+    optimizer = torch.optim.SGD(stage.module.parameters(), lr=cfg.lr, momentum=0.9)
+    meter = ActivationMeter(stage.module)
+    notes = [f"stage {stage.index} holds blocks {stage.bounds[stage.index]}.."
+             f"{(stage.bounds + [None])[stage.index + 1] or 'end'} (bounds {stage.bounds}"
+             f"{', balanced by measured cost' if cfg.balance else ', equal layer counts'})"]
+    if cfg.pipeline_impl == "torch" and schedule != "model_parallel":
+        step_fn = torch_schedule(cfg, ctx, stage, meter, schedule)
+        notes.append("torch impl: events time the stage's forward_one_chunk/backward_one_chunk "
+                     "calls inside torch.distributed.pipelining's schedule (compute only; its "
+                     "send/recv waits fall between them)")
+    else:
+        step_fn = scratch_schedule(cfg, ctx, stage, meter, schedule)
+    return train_stages(cfg, ctx, stage, step_fn, optimizer=optimizer, meter=meter,
+                        data_fn=data_fn, schedule=schedule, impl=cfg.pipeline_impl
+                        if schedule != "model_parallel" else "scratch", notes=notes)
+
+
+def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: ActivationMeter,
+                     schedule: str):
+    """A step function running ``schedule`` with blocking recv and asynchronous sends.
+
+    Sends never block (``isend``; we wait for them at the end of the step), so a stage only
+    ever waits for data it needs: that is what makes 1F1B's interleaving deadlock-free. Ranks
+    are stage indices; messages between a pair of ranks arrive in the order they were sent.
+    """
+    M, loss_fn = cfg.microbatches, nn.CrossEntropyLoss()
+    actions = timeline.stage_actions(schedule, cfg.stages, M, stage.index)
+    prev, nxt = stage.index - 1, stage.index + 1
+
+    def recv(like: torch.Tensor, src: int) -> torch.Tensor:
+        buf = torch.empty(like.shape, dtype=like.dtype, device=ctx.device)
+        dist.recv(buf, src=src)
+        return buf
+
+    def step(x, y, t0: float) -> StepOut:
+        xs = x.chunk(M) if stage.first else None
+        ys = y.chunk(M) if stage.last else None
+        held, sends, events, losses = {}, [], [], []
+        for kind, m in actions:
+            if kind == "F":
+                inp = xs[m] if stage.first else recv(stage.inp, prev).requires_grad_()
+                start = time.perf_counter()
+                with meter.forward(m):
+                    out = stage.module(inp)
+                    if stage.last:           # mean over this micro-batch / M = share of the global mean
+                        out = loss_fn(out, ys[m]) / M
+                sync(ctx.device)
+                events.append(_event(stage.index, m, "F", start, t0))
+                if stage.last:
+                    losses.append(out.detach())
+                else:                        # keep the tensor alive until its send completes
+                    sends.append((dist.isend(out.detach(), dst=nxt), out))
+                held[m] = (inp, out)
+            else:
+                inp, out = held.pop(m)
+                grad = None if stage.last else recv(stage.out, nxt)
+                start = time.perf_counter()
+                torch.autograd.backward(out, grad)
+                sync(ctx.device)
+                events.append(_event(stage.index, m, "B", start, t0))
+                meter.backward_done(m)
+                if not stage.first:
+                    sends.append((dist.isend(inp.grad, dst=prev), inp))
+        for work, _ in sends:
+            work.wait()
+        return StepOut(events, float(sum(losses)) if stage.last else None)
+
+    return step
+
+
+def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: ActivationMeter,
+                   schedule: str):
+    """A step function driving ``torch.distributed.pipelining`` on this rank's stage.
+
+    The library gives no per-micro-batch timings, so we wrap this stage object's own
+    ``forward_one_chunk``/``backward_one_chunk`` (the calls its schedules make per micro-batch)
+    with a clock; the schedule, the send/recv and the gradient scaling are the library's.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    pstage = PipelineStage(stage.module, stage.index, cfg.stages, ctx.device)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    # CrossEntropyLoss is a mean per micro-batch; scale_grads=True divides gradients by M.
+    sched = cls(pstage, cfg.microbatches, loss_fn=nn.CrossEntropyLoss(), scale_grads=True)
+    events: list[dict] = []
+    clock = {"t0": 0.0}
+    forward_one_chunk, backward_one_chunk = pstage.forward_one_chunk, pstage.backward_one_chunk
+
+    def timed_forward(chunk_id, *args, **kwargs):
+        start = time.perf_counter()
+        with meter.forward(chunk_id):
+            out = forward_one_chunk(chunk_id, *args, **kwargs)
+        sync(ctx.device)
+        events.append(_event(stage.index, chunk_id, "F", start, clock["t0"]))
+        return out
+
+    def timed_backward(chunk_id, *args, **kwargs):
+        start = time.perf_counter()
+        out = backward_one_chunk(chunk_id, *args, **kwargs)
+        sync(ctx.device)
+        events.append(_event(stage.index, chunk_id, "B", start, clock["t0"]))
+        meter.backward_done(chunk_id)
+        return out
+
+    pstage.forward_one_chunk, pstage.backward_one_chunk = timed_forward, timed_backward
+
+    def step(x, y, t0: float) -> StepOut:
+        events.clear()
+        clock["t0"] = t0
+        losses: list[torch.Tensor] = []
+        args = (x,) if stage.first else ()
+        kwargs = {"target": y, "losses": losses} if stage.last else {}
+        sched.step(*args, **kwargs)
+        loss = float(torch.stack(losses).mean()) if stage.last else None
+        return StepOut(list(events), loss)
+
+    return step
+
+
+def _event(stage: int, microbatch: int, kind: str, start: float, t0: float) -> dict:
+    return {"stage": stage, "microbatch": int(microbatch), "kind": kind,
+            "start": start - t0, "end": time.perf_counter() - t0}

@@ -1,0 +1,210 @@
+"""What the stage-split strategies share: cutting the model, metering activations, the step loop.
+
+Every rank builds the *whole* model from the seed (so its stage starts from exactly the weights
+``single`` has), agrees on where to cut it, keeps its own stage and iterates the same global
+batches as ``single``. ``train_stages`` runs warm-up and measured steps around a schedule
+function and turns what it returns into records; the schedules themselves live in pipeline.py.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import timeline
+from ..config import RunConfig
+from ..dist import RankContext
+from ..models import even_bounds, split, stage_param_names
+from ..probes import peak_memory
+from .common import build_model, data_iter
+
+
+@dataclass
+class Stage:
+    """This rank's slice of the model and where it sits in the pipeline."""
+
+    index: int
+    stages: int
+    bounds: list[int]
+    module: nn.Sequential
+    names: dict[str, str]               # local parameter name -> whole-model name
+    inp: torch.Tensor                   # meta tensors: one micro-batch's input and output,
+    out: torch.Tensor                   # the shapes and dtypes every recv allocates
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.stages - 1
+
+
+def make_stage(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> Stage:
+    """Build the whole model (seeded), agree on the cut, keep stage ``ctx.rank`` on ctx.device."""
+    model = build_model(cfg, ctx, model_fn)
+    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.batch_per_rank)
+    x, _ = next(data)                   # one micro-batch: the real shapes every boundary sees
+    x = x.to(ctx.device)
+    bounds = stage_bounds(cfg, ctx, model, x)
+    shapes = boundary_shapes(model, x)
+    s, ends = ctx.rank, bounds[1:] + [len(model)]
+    module = split(model, bounds)[s]
+    return Stage(s, cfg.stages, bounds, module, stage_param_names(bounds, s, module),
+                 shapes[bounds[s]], shapes[ends[s]])
+
+
+def stage_bounds(cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor) -> list[int]:
+    """Equal layer counts, or (``cfg.balance``) a cut by per-block cost timed on rank 0 and
+    broadcast, because timings differ between ranks and every rank must cut at the same place."""
+    if not cfg.balance:
+        return even_bounds(len(model), cfg.stages)
+    box = [timeline.partition(timeline.layer_costs(model, x), cfg.stages) if ctx.rank == 0 else None]
+    if ctx.distributed:
+        dist.broadcast_object_list(box, src=0)
+    model.zero_grad(set_to_none=True)
+    return box[0]
+
+
+def boundary_shapes(model: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]:
+    """Meta tensors of the input of every block and the output: what each send/recv carries."""
+    outs = [x.to("meta")]
+    with torch.no_grad():
+        for block in model:
+            x = block(x)
+            outs.append(x.to("meta"))
+    return outs
+
+
+class ActivationMeter:
+    """Bytes autograd saves for backward per micro-batch (``saved_tensors_hooks``), parameters
+    excluded, and the peak held at once: the memory a schedule trades for fewer bubbles."""
+
+    def __init__(self, module: nn.Module):
+        self._params = {p.data_ptr() for p in module.parameters()}
+        self.held: dict[int, int] = {}
+        self.peak_bytes = 0
+        self.peak_count = 0
+
+    def reset(self) -> None:
+        self.held.clear()
+        self.peak_bytes = self.peak_count = 0
+
+    @contextmanager
+    def forward(self, microbatch: int):
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._params and ptr not in seen:   # ReLU's output is Linear's input
+                seen.add(ptr)
+                self.held[microbatch] = self.held.get(microbatch, 0) + t.untyped_storage().nbytes()
+            return t
+
+        self.held.setdefault(microbatch, 0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.peak_count = max(self.peak_count, len(self.held))
+        self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
+
+    def backward_done(self, microbatch: int) -> None:
+        self.held.pop(microbatch, None)
+
+
+@dataclass
+class StepOut:
+    """What one schedule step on one stage returns."""
+
+    events: list[dict]                  # F/B events, seconds from the agreed step start
+    loss: float | None                  # the global batch's loss (last stage only)
+    notes: list[str] = field(default_factory=list)
+
+
+# step_fn(x, y, t0): the global batch's inputs (first stage, else None), targets (last stage,
+# else None) and the agreed step start; it runs forward and backward, leaving gradients.
+Schedule = Callable[[torch.Tensor | None, torch.Tensor | None, float], StepOut]
+
+
+def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedule, *,
+                 optimizer: torch.optim.Optimizer, meter: ActivationMeter, data_fn=None,
+                 schedule: str, impl: str, notes: list[str]) -> dict:
+    """Warm up, then run ``cfg.steps`` measured steps of ``step_fn``; return this rank's result.
+
+    Each step: fetch the global batch (data), meet every rank at
+    a barrier and read ``perf_counter`` (the agreed step start: one machine, one monotonic
+    clock), run the schedule, step the optimizer. The bubble needs every stage's events, so it
+    is filled in after the last step from one all_gather rather than a collective per step.
+    """
+    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.global_batch)
+    total, records = cfg.warmup + cfg.steps, []
+    for i in range(total):
+        meter.reset()
+        t_start = time.perf_counter()
+        x, y = next(data)               # every stage draws it, so all stay on single's order
+        x = x.to(ctx.device) if stage.first else None
+        y = y.to(ctx.device) if stage.last else None
+        t_data = time.perf_counter()
+        if ctx.distributed:
+            dist.barrier()
+        t0 = time.perf_counter()
+        out = step_fn(x, y, t0)
+        t_sched = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t_end = time.perf_counter()
+        if i < cfg.warmup:
+            ctx.report(step=i + 1, total=total, loss=out.loss if out.loss is not None else float("nan"))
+            continue
+        fwd = sum(e["end"] - e["start"] for e in out.events if e["kind"] == "F")
+        bwd = sum(e["end"] - e["start"] for e in out.events if e["kind"] == "B")
+        step_s, data_s, opt_s = t_end - t_start, t_data - t_start, t_end - t_sched
+        records.append({
+            "strategy": cfg.strategy, "world_size": cfg.world_size, "rank": ctx.rank,
+            "device": str(ctx.device), "global_batch": cfg.global_batch, "step": i - cfg.warmup,
+            "loss": out.loss if out.loss is not None else float("nan"),
+            "samples": cfg.global_batch, "data_s": data_s, "forward_s": fwd, "backward_s": bwd,
+            # barrier, recv waits, send completion and schedule bookkeeping: the rest of the step
+            "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s), "optimizer_s": opt_s,
+            "step_s": step_s, "peak_mem_bytes": peak_memory(ctx.device),
+            "comm_bytes": _comm_bytes(stage, cfg.microbatches),
+            "stage": stage.index, "microbatches": cfg.microbatches, "schedule": schedule,
+            "impl": impl, "activations_peak": meter.peak_count,
+            "activation_bytes_peak": meter.peak_bytes, "events": out.events})
+        notes.extend(n for n in out.notes if n not in notes)
+        ctx.report(step=i + 1, total=total, loss=records[-1]["loss"])
+    _fill_bubbles(ctx, records)
+    params = None
+    if cfg.deterministic:
+        params = {stage.names[k]: v.detach().cpu().clone()
+                  for k, v in stage.module.named_parameters()}
+    return {"records": records, "notes": notes, "params": params}
+
+
+def _comm_bytes(stage: Stage, microbatches: int) -> int:
+    """Bytes this stage sends per step: activations forward, activation gradients backward."""
+    out = 0 if stage.last else stage.out.numel() * stage.out.element_size()
+    inp = 0 if stage.first else stage.inp.numel() * stage.inp.element_size()
+    return microbatches * (out + inp)
+
+
+def _fill_bubbles(ctx: RankContext, records: list[dict]) -> None:
+    """Bubble = idle share of the pipeline's span (first event anywhere to last event anywhere),
+    and the last stage's loss copied to every stage's record."""
+    mine = [(min(e["start"] for e in r["events"]), max(e["end"] for e in r["events"]), r["loss"])
+            for r in records]
+    every = [mine]
+    if ctx.distributed:
+        every = [None] * ctx.world_size
+        dist.all_gather_object(every, mine)
+    for k, rec in enumerate(records):
+        lo = min(per_rank[k][0] for per_rank in every)
+        hi = max(per_rank[k][1] for per_rank in every)
+        busy = rec["forward_s"] + rec["backward_s"]
+        rec["span_s"] = hi - lo
+        rec["bubble_fraction"] = max(0.0, 1.0 - busy / (hi - lo)) if hi > lo else 0.0
+        rec["loss"] = every[-1][k][2]

@@ -1,0 +1,247 @@
+"""Pipeline timelines: schedules, the bubble they leave, stage balancing, and their figures.
+
+A pipeline step is a set of events ``{"stage", "microbatch", "kind": "F"|"B", "start", "end"}``
+(seconds from the step start). The same functions read measured events (from the pipeline
+strategies' records) and theoretical ones (``theoretical_events``), so the notebook can put
+what ran beside what the schedule predicts. With P equal stages and M micro-batches, GPipe and
+1F1B both leave each stage idle for (P-1)/(M+P-1) of the step (GPipe, Huang et al. 2019,
+arXiv:1811.06965; 1F1B from PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503): they
+differ in how many micro-batches' activations a stage holds at once (M against at most P).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Iterable, Sequence
+
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b")
+_COLORS = {"F": "#4C78A8", "B": "#F58518"}
+
+
+# ---- schedules and their theory ----------------------------------------------------------------
+
+def stage_actions(schedule: str, stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
+    """The order in which one stage runs its forwards ("F", m) and backwards ("B", m)."""
+    M = microbatches
+    if schedule in ("gpipe", "model_parallel"):      # all forwards, then all backwards
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+    if schedule != "1f1b":
+        raise ValueError(f"unknown schedule {schedule!r}: choose gpipe, 1f1b or model_parallel")
+    # 1F1B: enough forwards to fill the pipe below this stage, then alternate, then drain.
+    warmup = min(stages - stage - 1, M)
+    actions = [("F", m) for m in range(warmup)]
+    for i in range(M - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", m) for m in range(M - warmup, M)]
+
+
+def theory_bubble(stages: int, microbatches: int) -> float:
+    """Idle share of each stage for P equal stages and M micro-batches: (P-1)/(M+P-1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def theoretical_events(schedule: str, stages: int, microbatches: int, forward_s: float = 1.0,
+                       backward_s: float = 2.0, latency_s: float = 0.0) -> list[dict]:
+    """Simulate the schedule on ideal stages: each F takes ``forward_s``, each B ``backward_s``,
+    and a hop between stages ``latency_s``; an action starts once its stage is free and its
+    input (the previous stage's F, or the next stage's B) has arrived."""
+    queues = [stage_actions(schedule, stages, microbatches, s) for s in range(stages)]
+    done: dict[tuple[str, int, int], float] = {}        # (kind, stage, microbatch) -> end
+    free, pos, events = [0.0] * stages, [0] * stages, []
+    while any(pos[s] < len(queues[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while pos[s] < len(queues[s]):
+                kind, m = queues[s][pos[s]]
+                if kind == "F":
+                    dep = ("F", s - 1, m) if s > 0 else None
+                else:
+                    dep = ("B", s + 1, m) if s < stages - 1 else ("F", s, m)
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep] + (latency_s if dep[1] != s else 0.0)
+                start = max(free[s], ready)
+                end = start + (forward_s if kind == "F" else backward_s)
+                done[(kind, s, m)] = free[s] = end
+                events.append({"stage": s, "microbatch": m, "kind": kind, "start": start, "end": end})
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule!r} deadlocks at positions {pos}")
+    return events
+
+
+def bubble_fraction(events: Sequence[dict], window: tuple[float, float] | None = None) -> dict[int, float]:
+    """Each stage's idle share of the window (default: first event start to last event end)."""
+    if not events:
+        return {}
+    lo, hi = window or (min(e["start"] for e in events), max(e["end"] for e in events))
+    busy: dict[int, float] = {}
+    for e in events:
+        busy[e["stage"]] = busy.get(e["stage"], 0.0) + (e["end"] - e["start"])
+    return {s: max(0.0, 1.0 - b / (hi - lo)) if hi > lo else 0.0 for s, b in sorted(busy.items())}
+
+
+def activations_in_flight(events: Sequence[dict]) -> dict[int, int]:
+    """Per stage, the most micro-batches forwarded but not yet backwarded at any moment."""
+    peak: dict[int, int] = {}
+    for s in sorted({e["stage"] for e in events}):
+        # a micro-batch is held from the end of its F to the end of its B (ties count it held)
+        marks = sorted((e["end"], 1 if e["kind"] == "F" else -1) for e in events if e["stage"] == s)
+        marks.sort(key=lambda m: (m[0], -m[1]))
+        live = best = 0
+        for _, d in marks:
+            live += d
+            best = max(best, live)
+        peak[s] = best
+    return peak
+
+
+# ---- stage balancing ---------------------------------------------------------------------------
+
+def layer_costs(model: nn.Sequential, example: torch.Tensor, repeats: int = 5,
+                warmup: int = 2) -> list[float]:
+    """Median forward+backward seconds of each block of ``model`` on the real input shapes."""
+    costs, x = [], example.detach()
+    for block in model:
+        times = []
+        for i in range(warmup + repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            _sync(inp.device)
+            t0 = time.perf_counter()
+            out = block(inp)
+            out.float().sum().backward()
+            _sync(inp.device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        block.zero_grad(set_to_none=True)
+        costs.append(statistics.median(times))
+        x = out.detach()
+    return costs
+
+
+def partition(costs: Sequence[float], stages: int) -> list[int]:
+    """Stage start indices splitting ``costs`` into contiguous runs that minimise the slowest
+    stage's total (dynamic programming over cut points; n is a few dozen blocks at most)."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages: use 1..{n} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest slowest-stage cost putting the first i blocks on k stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def stage_costs(costs: Sequence[float], bounds: Sequence[int]) -> list[float]:
+    """Summed block cost of each stage for the given stage start indices."""
+    ends = list(bounds[1:]) + [len(costs)]
+    return [sum(costs[a:b]) for a, b in zip(bounds, ends)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- figures (returned, never shown) -----------------------------------------------------------
+
+def _gantt_traces(events: Sequence[dict], show_legend: bool = True) -> list[go.Bar]:
+    traces = []
+    for kind, name in (("F", "forward"), ("B", "backward")):
+        evs = [e for e in events if e["kind"] == kind]
+        traces.append(go.Bar(
+            orientation="h", name=name, legendgroup=kind, showlegend=show_legend,
+            y=[f"stage {e['stage']}" for e in evs], base=[e["start"] for e in evs],
+            x=[e["end"] - e["start"] for e in evs], text=[str(e["microbatch"]) for e in evs],
+            textposition="inside", insidetextanchor="middle", marker_color=_COLORS[kind],
+            hovertemplate="%{y} micro-batch %{text}<br>start %{base:.4f}<br>%{x:.4f}<extra></extra>"))
+    return traces
+
+
+def gantt(events: Sequence[dict], title: str = "pipeline timeline", unit: str = "s") -> go.Figure:
+    """A Gantt chart of one step's events: one row per stage, micro-batch numbers on the bars."""
+    fig = go.Figure(_gantt_traces(events))
+    fig.update_layout(title=title, barmode="overlay", xaxis_title=f"time ({unit})",
+                      yaxis=dict(autorange="reversed"), height=120 + 50 * _n_stages(events))
+    return fig
+
+
+def gantt_vs_theory(events: Sequence[dict], schedule: str, stages: int,
+                    microbatches: int) -> go.Figure:
+    """Measured events (top) above the schedule theory predicts from their mean F/B times."""
+    f = [e["end"] - e["start"] for e in events if e["kind"] == "F"] or [1.0]
+    b = [e["end"] - e["start"] for e in events if e["kind"] == "B"] or [2.0]
+    ideal = theoretical_events("gpipe" if schedule == "model_parallel" else schedule, stages,
+                               microbatches, statistics.mean(f), statistics.mean(b))
+    measured, theory = bubble_fraction(events), bubble_fraction(ideal)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=(
+        f"measured ({schedule}, P={stages}, M={microbatches}): bubble "
+        f"{statistics.mean(measured.values()):.2f}",
+        f"theory with the same mean F/B times: bubble {statistics.mean(theory.values()):.2f} "
+        f"= (P-1)/(M+P-1) = {theory_bubble(stages, microbatches):.2f}"))
+    for trace in _gantt_traces(events):
+        fig.add_trace(trace, row=1, col=1)
+    for trace in _gantt_traces(ideal, show_legend=False):
+        fig.add_trace(trace, row=2, col=1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_xaxes(title_text="seconds from step start", row=2, col=1)
+    fig.update_layout(barmode="overlay", height=200 + 100 * stages)
+    return fig
+
+
+def bubble_vs_microbatches(table, stages: int) -> go.Figure:
+    """Measured bubble fraction against M (points per schedule) with the theory curve."""
+    fig = go.Figure()
+    for schedule, g in table.groupby("schedule"):
+        fig.add_trace(go.Scatter(x=g["microbatches"], y=g["bubble_fraction"], name=str(schedule),
+                                 mode="markers+lines"))
+    ms = list(range(1, int(table["microbatches"].max()) + 1))
+    fig.add_trace(go.Scatter(x=ms, y=[theory_bubble(stages, m) for m in ms], mode="lines",
+                             name="(P-1)/(M+P-1)", line=dict(dash="dash", color="black")))
+    fig.update_layout(title=f"pipeline bubble at P={stages}", xaxis_title="micro-batches M",
+                      yaxis_title="idle share of the step", yaxis_range=[0, 1])
+    return fig
+
+
+def activation_memory(table, column: str = "activations_peak") -> go.Figure:
+    """Activations held per stage (micro-batches or bytes), one bar group per schedule."""
+    fig = go.Figure()
+    for schedule, g in table.groupby("schedule"):
+        fig.add_trace(go.Bar(x=[f"stage {s}" for s in g["stage"]], y=g[column], name=str(schedule)))
+    label = "micro-batches held" if column == "activations_peak" else "bytes held"
+    fig.update_layout(title=f"activation memory per stage ({column})", barmode="group",
+                      yaxis_title=label)
+    return fig
+
+
+def stage_times(before: Sequence[float], after: Sequence[float]) -> go.Figure:
+    """Per-stage cost before and after balancing: the slowest stage sets the pipeline's pace."""
+    fig = go.Figure([
+        go.Bar(x=[f"stage {i}" for i in range(len(before))], y=before, name="equal layer counts"),
+        go.Bar(x=[f"stage {i}" for i in range(len(after))], y=after, name="balanced by cost")])
+    fig.update_layout(title="per-stage compute per step", barmode="group", yaxis_title="seconds")
+    return fig
+
+
+def _n_stages(events: Iterable[dict]) -> int:
+    return len({e["stage"] for e in events}) or 1
