@@ -1,0 +1,1 @@
+"""Test-only helpers: rank functions importable by reference, and process inspection."""
