@@ -436,3 +436,87 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# ---- from a Jupyter kernel ----------------------------------------------------------------------
+
+@pytest.fixture
+def kernel(repo_root):
+    """A fresh ipykernel in this venv (cwd: the repo), and a client to run cells in it."""
+    jupyter_client = pytest.importorskip("jupyter_client",
+                                         reason="jupyter_client is not installed here")
+    km = jupyter_client.KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=str(repo_root))
+    kc = km.client()
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    try:
+        yield km, kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _run_cell(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
+    """Execute ``code``; return the reply content and everything the cell printed."""
+    out: list[str] = []
+
+    def collect(msg):
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            out.append("\n".join(msg["content"]["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=timeout, output_hook=collect)
+    return reply["content"], "".join(out)
+
+
+def test_from_a_jupyter_kernel_launch_and_interrupt(kernel, tmp_path):
+    km, kc = kernel
+    # A function defined in a cell lives in the kernel's __main__: it can only go by value.
+    reply, out = _run_cell(kc, textwrap.dedent("""
+        import os, labkit
+        def cell_fn(ctx, k):
+            return (ctx.rank, ctx.world_size, k * (ctx.rank + 1), os.getppid() != KERNEL_PID)
+        KERNEL_PID = os.getpid()
+        print("RESULT", labkit.launch(cell_fn, 2, args=(5,), timeout_s=60, device="cpu"))
+    """))
+    assert reply["status"] == "ok", out
+    assert "RESULT [(0, 2, 5, True), (1, 2, 10, True)]" in out
+
+    # Interrupt a running launch the way the Jupyter UI does (SIGINT to the kernel's group).
+    pid_file = tmp_path / "pids"
+    msg_id = kc.execute(textwrap.dedent(f"""
+        from tests.helpers.ranks import report_pid_then_block
+        def write_pid(rank, metrics):
+            with open({str(pid_file)!r}, "a") as f:
+                f.write(f"{{metrics['pid']}}\\n")
+        labkit.launch(report_pid_then_block, 2, timeout_s=120, device="cpu",
+                      on_progress=write_pid)
+    """))
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and len(pid_file.read_text().split()) == 2):
+        assert time.monotonic() < deadline, "ranks in the kernel never reported their pids"
+        time.sleep(0.05)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    km.interrupt_kernel()
+    while True:
+        msg = kc.get_shell_msg(timeout=30)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            break
+    assert time.monotonic() - t0 < ERROR_LATENCY_S
+    assert msg["content"]["status"] == "error"
+    assert msg["content"]["ename"] == "KeyboardInterrupt"
+    assert wait_gone(pids, 5) == [], "ranks outlived the interrupted cell"
+
+    # The kernel is still usable and holds no rank process; the next launch works.
+    reply, out = _run_cell(kc, textwrap.dedent("""
+        from tests.helpers.procs import live_ranks
+        print("LEFT", len(live_ranks()))
+        print("AGAIN", labkit.launch(cell_fn, 2, args=(1,), timeout_s=60, device="cpu"))
+    """))
+    assert reply["status"] == "ok", out
+    assert "LEFT 0" in out
+    assert "AGAIN [(0, 2, 1, True), (1, 2, 2, True)]" in out
