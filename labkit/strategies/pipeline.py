@@ -145,7 +145,7 @@ def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Activa
         args = (x,) if stage.first else ()
         kwargs = {"target": y, "losses": losses} if stage.last else {}
         sched.step(*args, **kwargs)
-        loss = float(torch.stack(losses).mean()) if stage.last else None
+        loss = float(torch.stack(losses).detach().mean()) if stage.last else None
         return StepOut(list(events), loss)
 
     return step

@@ -19,7 +19,7 @@ from torch import nn
 from .. import timeline
 from ..config import RunConfig
 from ..dist import RankContext
-from ..models import even_bounds, split, stage_param_names
+from ..models import even_bounds, split
 from ..probes import peak_memory
 from .common import build_model, data_iter
 
@@ -55,8 +55,15 @@ def make_stage(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) ->
     shapes = boundary_shapes(model, x)
     s, ends = ctx.rank, bounds[1:] + [len(model)]
     module = split(model, bounds)[s]
-    return Stage(s, cfg.stages, bounds, module, stage_param_names(bounds, s, module),
+    return Stage(s, cfg.stages, bounds, module, whole_names(model, module),
                  shapes[bounds[s]], shapes[ends[s]])
+
+
+def whole_names(model: nn.Module, part: nn.Module) -> dict[str, str]:
+    """Map ``part``'s parameter names to ``model``'s by identity, so the mapping is right whether
+    or not slicing a Sequential keeps the original indices as names (it does)."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return {name: by_id[id(p)] for name, p in part.named_parameters()}
 
 
 def stage_bounds(cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor) -> list[int]:
