@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,3 +80,10 @@ def test_default_backend():
     assert env.default_backend("cpu") == "gloo"
     expected = "nccl" if torch.distributed.is_nccl_available() else "gloo"
     assert env.default_backend("cuda") == expected
+
+
+def test_cli_env_json_matches_the_probe(repo_root):
+    done = subprocess.run([sys.executable, "-m", "labkit", "env", "--json"], capture_output=True,
+                          text=True, timeout=120, cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == json.loads(json.dumps(env.probe().to_dict()))

@@ -1,0 +1,89 @@
+"""RunConfig: frozen, validated, and every ValueError says what to change."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from labkit.config import MODELS, STRATEGY_RANKS, RunConfig
+
+# (changes to the default config, words the error must contain: what is wrong and the fix)
+INVALID = [
+    ({"strategy": "fsdp"}, ["unknown strategy 'fsdp'", "choose one of single, dp, ddp"]),
+    ({"world_size": 0}, ["world_size must be at least 1, got 0"]),
+    ({"steps": 0}, ["steps must be at least 1"]),
+    ({"global_batch": 0}, ["global_batch must be at least 1"]),
+    ({"depth": 0}, ["depth must be at least 1"]),
+    ({"dataset_size": 0}, ["dataset_size must be at least 1"]),
+    ({"microbatches": 0}, ["microbatches must be at least 1"]),
+    ({"warmup": -1}, ["warmup must be >= 0"]),
+    ({"model": "resnet"}, ["unknown model 'resnet'", "choose one of mlp, cnn, unbalanced_mlp"]),
+    ({"device": "gpu"}, ["device must be one of", "'cuda'"]),
+    ({"backend": "ucc"}, ["backend must be gloo, nccl, mpi or None"]),
+    ({"pipeline_impl": "fast"}, ["pipeline_impl must be one of", "'scratch'"]),
+    ({"strategy": "single"}, ["single runs on one device: set world_size=1 (got 2)"]),
+    ({"strategy": "pipeline_gpipe", "world_size": 2, "stages": 3},
+     ["set world_size == stages", "world_size=2, stages=3"]),
+    ({"strategy": "pipeline_1f1b", "global_batch": 30, "microbatches": 4},
+     ["global batch 30 is not divisible by 4 micro-batches", "multiple of microbatches"]),
+    ({"strategy": "model_parallel", "world_size": 4, "stages": 4, "depth": 2},
+     ["depth 2 has 3 layers, too few for 4 stages", "raise depth or lower stages"]),
+    ({"global_batch": 30, "world_size": 4},
+     ["global batch 30 is not divisible by world size 4", "a multiple of 4"]),
+    ({"dataset_size": 32, "global_batch": 64},
+     ["dataset_size 32 is smaller than one global batch (64)", "raise dataset_size"]),
+    ({"threads": 0}, ["threads must be at least 1 or None"]),
+    ({"timeout_s": 0}, ["timeout_s must be positive"]),
+]
+
+
+@pytest.mark.parametrize("changes, words", INVALID,
+                         ids=[",".join(f"{k}={v}" for k, v in c.items()) for c, _ in INVALID])
+def test_each_invalid_config_raises_a_value_error_naming_the_fix(changes, words):
+    with pytest.raises(ValueError) as info:
+        RunConfig(**changes)
+    for w in words:
+        assert w in str(info.value), f"{w!r} missing from: {info.value}"
+
+
+def test_replace_validates_too():
+    cfg = RunConfig(world_size=2, global_batch=64)
+    with pytest.raises(ValueError, match="not divisible by world size 3"):
+        cfg.replace(world_size=3)
+    with pytest.raises(ValueError, match="not divisible by world size 3"):
+        dataclasses.replace(cfg, world_size=3)
+
+
+def test_defaults_are_valid_and_every_strategy_and_model_has_a_valid_config():
+    RunConfig()
+    for strategy in STRATEGY_RANKS:
+        cfg = RunConfig(strategy=strategy, world_size=1 if strategy == "single" else 2)
+        assert cfg.strategy == strategy
+    for model in MODELS:
+        assert RunConfig(model=model).model == model
+
+
+def test_frozen():
+    cfg = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.world_size = 4
+
+
+@pytest.mark.parametrize("strategy, world_size, ranks", [
+    ("single", 1, 1), ("dp", 2, 1), ("ddp", 2, 2), ("ddp_naive", 4, 4), ("model_parallel", 2, 2),
+    ("pipeline_gpipe", 2, 2), ("pipeline_1f1b", 2, 2),
+])
+def test_ranks_is_the_number_of_processes(strategy, world_size, ranks):
+    assert RunConfig(strategy=strategy, world_size=world_size).ranks == ranks
+
+
+def test_batch_per_rank():
+    assert RunConfig(strategy="ddp", world_size=4, global_batch=64).batch_per_rank == 16
+    assert RunConfig(strategy="dp", world_size=2, global_batch=64).batch_per_rank == 64
+    assert RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, global_batch=64,
+                     microbatches=8).batch_per_rank == 8
+
+
+def test_to_dict_round_trips():
+    cfg = RunConfig(strategy="ddp_naive", world_size=4, lr=0.1, threads=1, backend="gloo")
+    assert RunConfig(**cfg.to_dict()) == cfg
