@@ -1,0 +1,63 @@
+"""Smoke tests: each benchmark runs in its --quick mode and prints/writes what it promises.
+
+No timing assertions: the machine is shared and noisy, so only the output's shape is checked.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+NUMBER = r"\d+\.\d+"
+
+
+def run_bench(name: str, json_path: Path) -> list[str]:
+    proc = subprocess.run([sys.executable, str(BENCH / name), "--quick", "--json", str(json_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_launch_overhead_quick(tmp_path):
+    lines = run_bench("launch_overhead.py", tmp_path / "launch.json")
+    text = "\n".join(lines)
+    for row in ("labkit first launch", "labkit later launch", "mp.spawn"):
+        assert re.search(rf"^{re.escape(row)}\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$", text,
+                         re.M), f"no table row for {row!r} in:\n{text}"
+    assert re.search(rf"^labkit later launch / mp\.spawn: {NUMBER}x$", text, re.M), text
+    assert re.search(rf"^labkit first launch / mp\.spawn: {NUMBER}x$", text, re.M), text
+    assert ("not installed, skipped" in text) or ("/ notebook_launcher:" in text), text
+
+    out = json.loads((tmp_path / "launch.json").read_text())
+    assert out["repeats"] == 2
+    assert len(out["samples"]["labkit first launch"]) == 1
+    assert len(out["samples"]["labkit later launch"]) == 2
+    assert len(out["samples"]["mp.spawn"]) == 2
+    assert all(v > 0 for v in out["medians_s"].values())
+    assert set(out["ratios"]) >= {"labkit first launch / mp.spawn",
+                                  "labkit later launch / mp.spawn"}
+
+
+@pytest.mark.slow
+def test_ddp_overhead_quick(tmp_path):
+    lines = run_bench("ddp_overhead.py", tmp_path / "ddp.json")
+    assert re.fullmatch(r"labkit/raw step-time ratio: \d+\.\d\d", lines[-1]), lines[-1]
+    text = "\n".join(lines)
+    assert re.search(rf"^probe overhead: {NUMBER} us per step \({NUMBER}% ", text, re.M), text
+
+    out = json.loads((tmp_path / "ddp.json").read_text())
+    steps = out["cfg"]["steps"]
+    assert out["rounds"] == 1 and steps == 8
+    # Every measured step of each side was kept, one max-over-ranks time per step.
+    assert len(out["samples_s"]["labkit"]) == len(out["samples_s"]["raw"]) == steps
+    assert all(t > 0 for t in out["samples_s"]["labkit"] + out["samples_s"]["raw"])
+    assert out["ratio"] == pytest.approx(
+        out["median_step_s"]["labkit"] / out["median_step_s"]["raw"])
+    assert f"{out['ratio']:.2f}" == lines[-1].rsplit(" ", 1)[1]
+    assert out["probe_overhead_s"] > 0 and out["probe_overhead_fraction"] > 0
