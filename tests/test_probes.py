@@ -1,0 +1,116 @@
+"""StepProbe: phase times add up to the step, records are flat, probing is cheap."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from labkit.models import mlp
+from labkit.probes import (PHASES, TIME_COLUMNS, StepProbe, grad_bytes, peak_memory,
+                           probe_overhead_s)
+
+NAP_S = 0.01                                 # long enough to see, short enough to keep tests fast
+
+
+def _timed_step(probe: StepProbe, naps: dict[str, float], **finish) -> dict:
+    probe.start()
+    for phase in PHASES:
+        time.sleep(naps.get(phase, 0.0))
+        probe.mark(phase)
+    return probe.finish(3, torch.tensor(0.25), 64, **finish)
+
+
+def test_phase_times_add_up_to_step_s_and_each_covers_its_work():
+    probe = StepProbe(torch.device("cpu"), strategy="ddp", world_size=2, rank=1)
+    naps = {"data": NAP_S, "forward": 2 * NAP_S, "backward": 3 * NAP_S, "optimizer": NAP_S}
+    rec = _timed_step(probe, naps)
+    phases = sum(rec[f"{p}_s"] for p in PHASES)
+    assert math.isclose(phases, rec["step_s"], rel_tol=0, abs_tol=1e-6)
+    for phase, nap in naps.items():
+        assert rec[f"{phase}_s"] >= nap          # sleep never returns early: a lower bound only
+    assert rec["comm_s"] >= 0.0
+
+
+def test_record_is_one_flat_dict_with_the_documented_columns():
+    probe = StepProbe("cpu", strategy="ddp", world_size=2, rank=1, device="cpu", global_batch=64)
+    rec = _timed_step(probe, {}, comm_bytes=1024.0, microbatches=4)
+    assert {"strategy": "ddp", "world_size": 2, "rank": 1, "device": "cpu",
+            "global_batch": 64}.items() <= rec.items()
+    assert (rec["step"], rec["loss"], rec["samples"]) == (3, 0.25, 64)
+    assert isinstance(rec["loss"], float)            # a tensor loss is turned into a number
+    assert set(TIME_COLUMNS) <= set(rec)
+    assert rec["comm_bytes"] == 1024 and isinstance(rec["comm_bytes"], int)
+    assert rec["peak_mem_bytes"] > 0 and rec["microbatches"] == 4
+    assert all(not isinstance(v, (dict, list, torch.Tensor)) for v in rec.values())
+
+
+def test_comm_baseline_moves_exposed_communication_out_of_backward():
+    probe = StepProbe("cpu")
+    rec = _timed_step(probe, {"backward": 3 * NAP_S}, comm_baseline_s=NAP_S)
+    # backward is trimmed to the no-communication baseline; the rest is exposed communication
+    assert math.isclose(rec["backward_s"], NAP_S, abs_tol=1e-9)
+    assert rec["comm_s"] >= 2 * NAP_S - 1e-6
+    total = sum(rec[f"{p}_s"] for p in PHASES)
+    assert math.isclose(total, rec["step_s"], rel_tol=0, abs_tol=1e-6)
+
+
+def test_a_baseline_longer_than_backward_exposes_nothing():
+    rec = _timed_step(StepProbe("cpu"), {"backward": NAP_S}, comm_baseline_s=10.0)
+    assert rec["comm_s"] < NAP_S and rec["backward_s"] >= NAP_S
+
+
+def test_a_repeated_phase_accumulates():
+    probe = StepProbe("cpu")
+    probe.start()
+    for _ in range(3):                           # e.g. one forward mark per micro-batch
+        time.sleep(NAP_S)
+        probe.mark("forward")
+    rec = probe.finish(0, 0.0, 0)
+    assert rec["forward_s"] >= 3 * NAP_S
+    assert math.isclose(rec["forward_s"], rec["step_s"], abs_tol=1e-6)
+
+
+def test_probe_overhead_is_small():
+    # Nominally microseconds; 1 ms per step would still be invisible beside a training step,
+    # and leaves room for a loaded 2-core CI machine.
+    overhead = probe_overhead_s("cpu", steps=500)
+    assert 0 < overhead < 1e-3, f"{overhead * 1e6:.0f} us per probed step"
+
+
+def test_time_columns_match_phases():
+    assert TIME_COLUMNS == tuple(f"{p}_s" for p in PHASES) + ("step_s",)
+    assert PHASES == ("data", "forward", "backward", "comm", "optimizer")
+
+
+def test_peak_memory_on_cpu_is_the_resident_high_water_mark():
+    before = peak_memory(torch.device("cpu"))
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)   # touch 64 MiB
+    block.add_(1)
+    assert peak_memory("cpu") >= before and peak_memory("cpu") >= 64 * 2**20
+    del block
+
+
+def test_grad_bytes_counts_trainable_parameters_once():
+    model = mlp(8, 16, 2, 4)
+    n = sum(p.numel() for p in model.parameters())
+    assert grad_bytes(model) == 4 * n                    # float32
+    model[0].requires_grad_(False)
+    frozen = sum(p.numel() for p in model[0].parameters())
+    assert grad_bytes(model) == 4 * (n - frozen)
+    assert grad_bytes(model.to(torch.float64)) == 8 * (n - frozen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-event timing needs a GPU; this "
+                    "machine has none (the CPU path is tested above)")
+def test_cuda_phase_times_add_up():
+    probe = StepProbe(torch.device("cuda", 0))
+    x = torch.randn(1024, 1024, device="cuda")
+    probe.start()
+    for phase in PHASES:
+        x = x @ x / 1024
+        probe.mark(phase)
+    rec = probe.finish(0, 0.0, 0)
+    total = sum(rec[f"{p}_s"] for p in PHASES)
+    assert math.isclose(total, rec["step_s"], rel_tol=1e-3, abs_tol=1e-5)
