@@ -57,7 +57,9 @@ def test_ddp_overhead_quick(tmp_path):
     # Every measured step of each side was kept, one max-over-ranks time per step.
     assert len(out["samples_s"]["labkit"]) == len(out["samples_s"]["raw"]) == steps
     assert all(t > 0 for t in out["samples_s"]["labkit"] + out["samples_s"]["raw"])
+    # One round: the median of per-round ratios is that round's ratio of medians.
     assert out["ratio"] == pytest.approx(
         out["median_step_s"]["labkit"] / out["median_step_s"]["raw"])
+    assert out["round_ratios"] == [pytest.approx(out["ratio"])]
     assert f"{out['ratio']:.2f}" == lines[-1].rsplit(" ", 1)[1]
     assert out["probe_overhead_s"] > 0 and out["probe_overhead_fraction"] > 0
