@@ -1,0 +1,100 @@
+"""Data-parallel strategies on real 2-rank gloo groups: equal to single, measured, summarised."""
+import math
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from labkit import RunConfig, experiment
+from labkit.data import ToyClassification
+from labkit.probes import TIME_COLUMNS
+
+SMALL = RunConfig(width=64, depth=2, global_batch=32, dataset_size=512, steps=4, warmup=1)
+
+
+def test_every_data_parallel_strategy_matches_single_at_world_size_2():
+    result = experiment.check(SMALL, ["dp", "ddp", "ddp_naive"], world_size=2, steps=5)
+    assert list(result["strategy"]) == ["dp", "ddp", "ddp_naive"]
+    assert result["ok"].all(), result
+    assert (result["max_abs_diff"] <= 1e-5).all()
+
+
+def test_check_catches_a_strategy_that_differs():
+    # a different learning rate is a different model: check must say so, not pass vacuously
+    ref = experiment.run(SMALL.replace(strategy="single", world_size=1, deterministic=True))
+    other = experiment.run(SMALL.replace(strategy="ddp", lr=0.2, deterministic=True))
+    diff = max((other.params[k] - ref.params[k]).abs().max().item() for k in ref.params)
+    assert diff > 1e-4
+
+
+def test_records_carry_the_contract_and_phases_add_up():
+    res = experiment.run(SMALL.replace(strategy="ddp", world_size=2))
+    df = res.records
+    assert sorted(df["rank"].unique()) == [0, 1]
+    assert sorted(df["step"].unique()) == list(range(SMALL.steps))
+    for col in ("strategy", "world_size", "rank", "step", "device", "loss", "samples",
+                "peak_mem_bytes", "comm_bytes", *TIME_COLUMNS):
+        assert col in df, col
+    phases = df[[c for c in TIME_COLUMNS if c != "step_s"]].sum(axis=1)
+    assert ((phases - df["step_s"]).abs() <= 1e-4 + 0.02 * df["step_s"]).all()
+    assert (df["samples"] == SMALL.global_batch // 2).all()
+    n_params = sum(p.numel() for p in nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64),
+                                                    nn.Linear(64, 10)).parameters())
+    assert (df["comm_bytes"] == 4 * n_params).all()          # fp32 gradients, once per step
+
+
+def test_user_model_and_dataset_factories_run_under_ddp():
+    def my_model(cfg):                          # defined here: travels to the ranks by value
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def my_data(cfg):
+        return ToyClassification(256, in_features=8, classes=3, seed=cfg.seed)
+
+    cfg = SMALL.replace(strategy="ddp", deterministic=True)
+    res = experiment.run(cfg, model_fn=my_model, data_fn=my_data)
+    assert set(res.params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    ref = experiment.run(cfg.replace(strategy="single", world_size=1), model_fn=my_model,
+                         data_fn=my_data)
+    assert max((res.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < 1e-5
+
+
+def test_dp_on_cpu_says_it_uses_one_device():
+    res = experiment.run(SMALL.replace(strategy="dp", world_size=2))
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: DataParallel really splits the batch here")
+    assert any("DataParallel found no GPU" in n and "DDP" in n for n in res.notes)
+
+
+def test_oversubscribed_runs_are_flagged():
+    res = experiment.run(SMALL.replace(strategy="ddp", world_size=4, steps=2))
+    from labkit.env import cpu_cores
+    assert res.records["oversubscribed"].all() == (4 > cpu_cores())
+    if 4 > cpu_cores():
+        assert any("time-share" in n for n in res.notes)
+
+
+def test_summarize_computes_aggregates_from_records():
+    rows = []
+    for strategy, ws, step_s in [("single", 1, 0.10), ("ddp", 2, 0.08)]:
+        for rank in range(ws):
+            for step in range(3):                 # rank 1 is the straggler: it gates the step
+                rows.append({"strategy": strategy, "world_size": ws, "rank": rank, "step": step,
+                             "step_s": step_s + 0.02 * rank, "comm_s": 0.01 * ws,
+                             "global_batch": 64, "loss": 1.0, "peak_mem_bytes": 2**20})
+    table = experiment.summarize(pd.DataFrame(rows)).set_index("strategy")
+    assert table.loc["single", "samples_per_s"] == pytest.approx(640)
+    assert table.loc["ddp", "step_ms"] == pytest.approx(100)              # max over ranks
+    assert table.loc["ddp", "speedup"] == pytest.approx(1.0)
+    assert table.loc["ddp", "efficiency"] == pytest.approx(0.5)
+    assert table.loc["ddp", "comm_share"] == pytest.approx(0.2)
+
+
+def test_grid_and_bad_input():
+    configs = experiment.grid(SMALL, ["single", "ddp"], [1, 2])
+    assert [(c.strategy, c.world_size) for c in configs] == [("single", 1), ("ddp", 1), ("ddp", 2)]
+    with pytest.raises(ValueError, match="unknown strategy 'fsdp'"):
+        experiment.grid(SMALL, ["fsdp"], [2])
+    with pytest.raises(ValueError, match="not divisible by world size 3"):
+        experiment.grid(SMALL, ["ddp"], [3])
+    assert math.isclose(SMALL.replace(world_size=4).batch_per_rank, 8)
