@@ -319,6 +319,9 @@ def _describe_exit(code: int | None) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+    if code == 1:
+        return ("it failed before running your function; in a script, is the launch under "
+                "`if __name__ == '__main__':`? each rank re-imports the main module")
     return "it called os._exit or crashed outside Python" if code else "no result was sent"
 
 
