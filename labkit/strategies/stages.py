@@ -107,13 +107,13 @@ class ActivationMeter:
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._params and ptr not in seen:   # ReLU's output is Linear's input
-                seen.add(ptr)
-                self.held[microbatch] = self.held.get(microbatch, 0) + t.untyped_storage().nbytes()
+            key = (t.data_ptr(), t.numel())
+            if t.data_ptr() not in self._params and key not in seen:  # ReLU's output is also
+                seen.add(key)                                         # the next Linear's input
+                self.held[microbatch] += t.numel() * t.element_size()
             return t
 
-        self.held.setdefault(microbatch, 0)
+        self.held[microbatch] = 0
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
         self.peak_count = max(self.peak_count, len(self.held))
