@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=DP_STRATEGIES)
     p.add_argument("--out", default="out", help="folder for demo.json and demo.html")
     add_config_args(p)
-    p.set_defaults(func=cmd_demo, steps=30)
+    # big enough that compute, not gloo latency, dominates a step on CPU
+    p.set_defaults(func=cmd_demo, steps=30, width=1024, depth=3, global_batch=128)
     return parser
 
 
