@@ -103,30 +103,46 @@ def test_gpipe_holds_more_activation_bytes_than_1f1b():
 
 # ---- the measured bubble against theory --------------------------------------------------------
 
-# Compute must dominate the ~0.5 ms gloo hop: 1024-wide layers, 512 samples, so a micro-batch
-# at M=8 (64 rows) costs ~4 ms forward and ~8 ms backward per stage, one thread per rank.
-# in_features == width and depth 4 make the two stages equal (2 big layers each).
-BUBBLE = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, steps=8, warmup=2,
-                   global_batch=512, in_features=1024, width=1024, depth=4, dataset_size=1024,
-                   threads=1, timeout_s=180)
-# Tolerance 0.1 (absolute, on the median over 8 steps of the mean over stages). What moves the
-# measurement away from the formula: the gloo hop per micro-batch (simulated with
-# theoretical_events(latency_s=1e-3): +0.04 at M=8) and the scheduler on a 2-core box shared
-# with the OS, which stretches one rank's compute while its peer waits (steps vary by ~0.05).
-BUBBLE_TOL = 0.1
+# Compute must dominate the ~0.5 ms gloo hop: 1024-wide layers and 1024 samples, so even at M=8
+# a micro-batch (128 rows) costs ~5 ms forward and ~10 ms backward per stage, one thread per
+# rank. depth 5 with a 32-wide input makes the stages equal: each holds two 1024x1024 layers
+# and one cheap one (the first layer's input needs no gradient, the head is 10 wide).
+BUBBLE = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, steps=8, warmup=1,
+                   global_batch=1024, width=1024, depth=5, dataset_size=1024, threads=1,
+                   timeout_s=180)
+# The formula assumes each stage has a processor of its own. Each record says how much CPU its
+# rank's thread got while computing (compute_cpu_share); a step counts only if every stage got
+# at least 0.9 of a core. If other processes leave fewer than 2 such steps, the premise did not
+# hold and the test skips, saying so with the numbers (it runs in CI, where nothing competes).
+CLEAN_SHARE, CLEAN_STEPS = 0.9, 2
+# Tolerances, on the median over clean steps of the mean over stages. At M=1 a step is ~100 ms
+# and only two gloo hops are not compute, so the formula's 0.5 must hold to 0.05. At larger M
+# every micro-batch adds a hop and a recv wake-up (~1 ms against ~15 ms of compute) that the
+# formula ignores: measured here with full cores, M=8 came out 0.06-0.11 above the formula's
+# 0.11. So 0.15 elsewhere, plus the trend the lesson is about: going from M=1 to M=8 must
+# remove at least half of the bubble.
+BUBBLE_TOL = {1: 0.05, 2: 0.15, 4: 0.15, 8: 0.15}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["pipeline_gpipe", "pipeline_1f1b"])
 def test_measured_bubble_matches_theory_at_p2(schedule):
-    measured = {}
-    for M in (1, 2, 4, 8):
+    measured, report = {}, {}
+    for M in BUBBLE_TOL:
         df = run(BUBBLE.replace(strategy=schedule, microbatches=M)).records
-        measured[M] = df.groupby("step")["bubble_fraction"].mean().median()
-    report = {M: (round(b, 3), round(timeline.theory_bubble(2, M), 3)) for M, b in measured.items()}
+        steps = df.groupby("step").agg(bubble=("bubble_fraction", "mean"),
+                                       share=("compute_cpu_share", "min"))
+        clean = steps[steps["share"] >= CLEAN_SHARE]
+        report[M] = {"theory": round(timeline.theory_bubble(2, M), 3),
+                     "all steps": round(float(steps["bubble"].median()), 3), "clean steps": len(clean),
+                     "cpu share": round(float(steps["share"].median()), 2)}
+        if len(clean) < CLEAN_STEPS:
+            pytest.skip(f"ranks did not get a core each (other processes were running): "
+                        f"cannot test the bubble formula's premise; measured {report}")
+        measured[M] = report[M]["clean"] = float(clean["bubble"].median())
     for M, bubble in measured.items():
-        assert abs(bubble - timeline.theory_bubble(2, M)) <= BUBBLE_TOL, report
-    assert measured[8] < measured[1] - 0.2, report      # micro-batching does shrink the bubble
+        assert abs(bubble - timeline.theory_bubble(2, M)) <= BUBBLE_TOL[M], report
+    assert measured[8] < 0.5 * measured[1], report
 
 
 # ---- stage balancing ---------------------------------------------------------------------------

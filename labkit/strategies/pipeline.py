@@ -14,8 +14,6 @@ gradients, and after K steps the parameters, equal single-device training on the
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,8 +21,7 @@ from torch import nn
 from .. import timeline
 from ..config import RunConfig
 from ..dist import RankContext
-from ..probes import sync
-from .stages import ActivationMeter, Stage, StepOut, make_stage, train_stages
+from .stages import ActivationMeter, EventLog, Stage, StepOut, make_stage, train_stages
 
 _SCHEDULES = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "model_parallel": "model_parallel"}
 
@@ -60,6 +57,7 @@ def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Acti
     M, loss_fn = cfg.microbatches, nn.CrossEntropyLoss()
     actions = timeline.stage_actions(schedule, cfg.stages, M, stage.index)
     prev, nxt = stage.index - 1, stage.index + 1
+    log = EventLog(stage.index, ctx.device)
 
     def recv(like: torch.Tensor, src: int) -> torch.Tensor:
         buf = torch.empty(like.shape, dtype=like.dtype, device=ctx.device)
@@ -69,17 +67,15 @@ def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Acti
     def step(x, y, t0: float) -> StepOut:
         xs = x.chunk(M) if stage.first else None
         ys = y.chunk(M) if stage.last else None
-        held, sends, events, losses = {}, [], [], []
+        held, sends, losses = {}, [], []
+        log.begin(t0)
         for kind, m in actions:
             if kind == "F":
                 inp = xs[m] if stage.first else recv(stage.inp, prev).requires_grad_()
-                start = time.perf_counter()
-                with meter.forward(m):
+                with log.time("F", m), meter.forward(m):
                     out = stage.module(inp)
                     if stage.last:           # mean over this micro-batch / M = share of the global mean
                         out = loss_fn(out, ys[m]) / M
-                sync(ctx.device)
-                events.append(_event(stage.index, m, "F", start, t0))
                 if stage.last:
                     losses.append(out.detach())
                 else:                        # keep the tensor alive until its send completes
@@ -88,16 +84,14 @@ def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Acti
             else:
                 inp, out = held.pop(m)
                 grad = None if stage.last else recv(stage.out, nxt)
-                start = time.perf_counter()
-                torch.autograd.backward(out, grad)
-                sync(ctx.device)
-                events.append(_event(stage.index, m, "B", start, t0))
+                with log.time("B", m):
+                    torch.autograd.backward(out, grad)
                 meter.backward_done(m)
                 if not stage.first:
                     sends.append((dist.isend(inp.grad, dst=prev), inp))
         for work, _ in sends:
             work.wait()
-        return StepOut(events, float(sum(losses)) if stage.last else None)
+        return StepOut(log, float(sum(losses)) if stage.last else None)
 
     return step
 
@@ -116,41 +110,29 @@ def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Activa
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     # CrossEntropyLoss is a mean per micro-batch; scale_grads=True divides gradients by M.
     sched = cls(pstage, cfg.microbatches, loss_fn=nn.CrossEntropyLoss(), scale_grads=True)
-    events: list[dict] = []
-    clock = {"t0": 0.0}
+    log = EventLog(stage.index, ctx.device)
     forward_one_chunk, backward_one_chunk = pstage.forward_one_chunk, pstage.backward_one_chunk
 
     def timed_forward(chunk_id, *args, **kwargs):
-        start = time.perf_counter()
-        with meter.forward(chunk_id):
-            out = forward_one_chunk(chunk_id, *args, **kwargs)
-        sync(ctx.device)
-        events.append(_event(stage.index, chunk_id, "F", start, clock["t0"]))
-        return out
+        with log.time("F", chunk_id), meter.forward(chunk_id):
+            return forward_one_chunk(chunk_id, *args, **kwargs)
 
     def timed_backward(chunk_id, *args, **kwargs):
-        start = time.perf_counter()
-        out = backward_one_chunk(chunk_id, *args, **kwargs)
-        sync(ctx.device)
-        events.append(_event(stage.index, chunk_id, "B", start, clock["t0"]))
+        with log.time("B", chunk_id):
+            out = backward_one_chunk(chunk_id, *args, **kwargs)
         meter.backward_done(chunk_id)
         return out
 
     pstage.forward_one_chunk, pstage.backward_one_chunk = timed_forward, timed_backward
 
     def step(x, y, t0: float) -> StepOut:
-        events.clear()
-        clock["t0"] = t0
+        log.begin(t0)
         losses: list[torch.Tensor] = []
         args = (x,) if stage.first else ()
         kwargs = {"target": y, "losses": losses} if stage.last else {}
         sched.step(*args, **kwargs)
         loss = float(torch.stack(losses).detach().mean()) if stage.last else None
-        return StepOut(list(events), loss)
+        return StepOut(log, loss)
 
     return step
 
-
-def _event(stage: int, microbatch: int, kind: str, start: float, t0: float) -> dict:
-    return {"stage": stage, "microbatch": int(microbatch), "kind": kind,
-            "start": start - t0, "end": time.perf_counter() - t0}

@@ -20,7 +20,7 @@ from .. import timeline
 from ..config import RunConfig
 from ..dist import RankContext
 from ..models import even_bounds, split
-from ..probes import peak_memory
+from ..probes import peak_memory, sync
 from .common import build_model, data_iter
 
 
@@ -123,11 +123,34 @@ class ActivationMeter:
         self.held.pop(microbatch, None)
 
 
+class EventLog:
+    """This stage's F/B events of one step, in seconds from the agreed step start, plus the CPU
+    time its thread got while computing them (on CPU: a share below 1 means the rank was
+    descheduled mid-compute, i.e. the stages were not really running in parallel)."""
+
+    def __init__(self, stage: int, device: torch.device):
+        self.stage, self.device = stage, device
+        self.events: list[dict] = []
+        self.cpu_s, self.t0 = 0.0, 0.0
+
+    def begin(self, t0: float) -> None:
+        self.events, self.cpu_s, self.t0 = [], 0.0, t0
+
+    @contextmanager
+    def time(self, kind: str, microbatch: int):
+        start, cpu = time.perf_counter(), time.thread_time()
+        yield
+        sync(self.device)                # GPU kernels are asynchronous: wait before reading
+        self.cpu_s += time.thread_time() - cpu
+        self.events.append({"stage": self.stage, "microbatch": int(microbatch), "kind": kind,
+                            "start": start - self.t0, "end": time.perf_counter() - self.t0})
+
+
 @dataclass
 class StepOut:
     """What one schedule step on one stage returns."""
 
-    events: list[dict]                  # F/B events, seconds from the agreed step start
+    log: EventLog
     loss: float | None                  # the global batch's loss (last stage only)
     notes: list[str] = field(default_factory=list)
 
@@ -167,8 +190,10 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
         if i < cfg.warmup:
             ctx.report(step=i + 1, total=total, loss=out.loss if out.loss is not None else float("nan"))
             continue
-        fwd = sum(e["end"] - e["start"] for e in out.events if e["kind"] == "F")
-        bwd = sum(e["end"] - e["start"] for e in out.events if e["kind"] == "B")
+        events = list(out.log.events)
+        fwd = sum(e["end"] - e["start"] for e in events if e["kind"] == "F")
+        bwd = sum(e["end"] - e["start"] for e in events if e["kind"] == "B")
+        cpu_share = out.log.cpu_s / (fwd + bwd) if ctx.device.type == "cpu" else float("nan")
         step_s, data_s, opt_s = t_end - t_start, t_data - t_start, t_end - t_sched
         records.append({
             "strategy": cfg.strategy, "world_size": cfg.world_size, "rank": ctx.rank,
@@ -181,7 +206,8 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
             "comm_bytes": _comm_bytes(stage, cfg.microbatches),
             "stage": stage.index, "microbatches": cfg.microbatches, "schedule": schedule,
             "impl": impl, "activations_peak": meter.peak_count,
-            "activation_bytes_peak": meter.peak_bytes, "events": out.events})
+            "activation_bytes_peak": meter.peak_bytes, "compute_cpu_share": cpu_share,
+            "events": events})
         notes.extend(n for n in out.notes if n not in notes)
         ctx.report(step=i + 1, total=total, loss=records[-1]["loss"])
     _fill_bubbles(ctx, records)
