@@ -92,8 +92,8 @@ def activations_in_flight(events: Sequence[dict]) -> dict[int, int]:
     peak: dict[int, int] = {}
     for s in sorted({e["stage"] for e in events}):
         # a micro-batch is held from the end of its F to the end of its B (ties count it held)
-        marks = sorted((e["end"], 1 if e["kind"] == "F" else -1) for e in events if e["stage"] == s)
-        marks.sort(key=lambda m: (m[0], -m[1]))
+        marks = sorted(((e["end"], 1 if e["kind"] == "F" else -1) for e in events
+                        if e["stage"] == s), key=lambda m: (m[0], -m[1]))
         live = best = 0
         for _, d in marks:
             live += d

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import statistics
 import subprocess
 import sys
 
@@ -148,7 +147,7 @@ def test_measured_bubble_matches_theory_at_p2(schedule):
 # ---- stage balancing ---------------------------------------------------------------------------
 
 def test_balancing_cuts_the_slowest_stage():
-    cfg = RunConfig(strategy="pipeline_1f1b", world_size=2, stages=2, microbatches=4, steps=6,
+    cfg = RunConfig(strategy="pipeline_1f1b", world_size=2, stages=2, microbatches=4, steps=8,
                     warmup=1, model="unbalanced_mlp", width=512, depth=4, global_batch=256,
                     dataset_size=512, threads=1, timeout_s=120)
     model = make_model(cfg)
