@@ -14,7 +14,8 @@ __version__ = "0.1.0"
 
 # pandas/plotly-backed parts load on first use, so rank processes (which import labkit) stay lean.
 _LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment",
-         "check": "experiment", "grid": "experiment", "run_panel": "widgets"}
+         "check": "experiment", "grid": "experiment", "run_panel": "widgets",
+         "pipeline_panel": "pipeline_widgets"}
 
 
 def __getattr__(name):

@@ -145,7 +145,8 @@ class _Progress:
 def _print_table(table) -> None:
     cols = {"strategy": "strategy", "world_size": "world", "samples_per_s": "samples/s",
             "step_ms": "step ms (max rank)", "comm_share": "exposed comm",
-            "speedup": "speed-up", "efficiency": "efficiency", "final_loss": "loss"}
+            "speedup": "speed-up", "efficiency": "efficiency", "bubble_fraction": "bubble",
+            "final_loss": "loss"}
     shown = table[[c for c in cols if c in table]].rename(columns=cols)
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     if "oversubscribed" in table and table["oversubscribed"].any():

@@ -126,6 +126,10 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     base = single.iloc[0] if len(single) else math.nan
     table["speedup"] = table["samples_per_s"] / base
     table["efficiency"] = table["speedup"] / table["world_size"]
+    if "bubble_fraction" in records:       # pipelines: idle share, median over steps and stages
+        bubble = records.groupby(["strategy", "world_size"], sort=False)["bubble_fraction"].median()
+        table["bubble_fraction"] = [bubble.get((s, w), math.nan)
+                                    for s, w in zip(table["strategy"], table["world_size"])]
     if "oversubscribed" in records:
         flag = records.groupby(["strategy", "world_size"], sort=False)["oversubscribed"].any()
         table["oversubscribed"] = [bool(flag.get((s, w), False))
