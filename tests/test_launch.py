@@ -138,11 +138,9 @@ def test_works_from_a_script_with_a_main_guard(tmp_path, repo_root):
     assert "RESULT [(0, 49), (1, 49)]" in done.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="launch.py re-runs an unguarded __main__ script in every "
-                   "rank (forkserver preparation data) and reports only 'exited with code 1'")
 def test_script_without_a_main_guard_works_or_says_why(tmp_path):
-    # The articles write top-level scripts. fn travels by value, so ranks do not need __main__;
-    # failing that, the error must point at the missing `if __name__ == "__main__":` guard.
+    # The articles write top-level scripts. Every rank re-imports the main module, so without
+    # the guard each rank would launch again: that must fail fast and name the missing guard.
     script = tmp_path / "flat.py"
     script.write_text("import labkit\n"
                       "def f(ctx):\n    return ctx.rank\n"
@@ -150,7 +148,9 @@ def test_script_without_a_main_guard_works_or_says_why(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     ok = done.returncode == 0 and "RESULT [0, 1]" in done.stdout
-    assert ok or "__main__" in done.stderr.splitlines()[-1], done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    assert ok or ("RankError" in done.stderr and "if __name__ == '__main__':" in last), \
+        done.stderr[-2000:]
 
 
 # ---- errors, timeouts, cancel -------------------------------------------------------------------
@@ -300,6 +300,24 @@ def test_twelve_back_to_back_launches_never_collide():
     with pytest.raises(RankError):
         launch(ranks.raise_on, 2, args=(0, "x"), timeout_s=60, device="cpu")
     assert [r["rank"] for r in launch(ranks.whoami, 2, timeout_s=60, device="cpu")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_ranks_that_never_communicate_start_and_stop_cleanly():
+    # A rank that returns at once tears its group down while a slower peer may still be inside
+    # init_process_group; without a barrier after init, the peer fails "Gloo connectFullMesh
+    # failed ... Connection closed by peer" (here ~1 launch in 60). Many lessons' first cell is
+    # exactly such a function, so 40 in a row must all succeed.
+    def rank_only(ctx):
+        return ctx.rank
+
+    failures = []
+    for i in range(40):
+        try:
+            assert launch(rank_only, 2, timeout_s=60, device="cpu") == [0, 1]
+        except RankError as exc:
+            failures.append(f"launch {i}: {str(exc).splitlines()[-1][:160]}")
+    assert not failures, failures
 
 
 def test_two_launches_at_once_from_threads():
