@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import math
 import statistics
 import sys
 import time
@@ -77,11 +78,14 @@ def run_labkit(cfg: RunConfig) -> tuple[list[float], list[float]]:
     results = labkit.launch(run_rank, WORLD_SIZE, args=(cfg,), device="cpu",
                             timeout_s=cfg.timeout_s, on_progress=on_progress)
     per_rank = [[rec["step_s"] for rec in res["records"]] for res in results]
-    # Progress step k arrives after loop iteration k; the measured ones are warmup+1 .. total.
-    # The first measured gap also holds the calibration, so periods start one step later.
+    # Progress step k arrives after loop iteration k, about 10 times a second (not every step):
+    # the period is the time between two arrivals over the steps between them. The first
+    # measured gap also holds the calibration, so periods start one step later.
     first = cfg.warmup + 2
-    periods = [max(arrivals[r][k] - arrivals[r][k - 1] for r in range(WORLD_SIZE))
-               for k in range(first, cfg.warmup + cfg.steps + 1)]
+    periods = []
+    for r in range(WORLD_SIZE):
+        seen = sorted((k, t) for k, t in arrivals[r].items() if k >= first - 1)
+        periods += [(t1 - t0) / (k1 - k0) for (k0, t0), (k1, t1) in zip(seen, seen[1:])]
     return _max_over_ranks(per_rank), periods
 
 
@@ -115,7 +119,9 @@ def measure(cfg: RunConfig, rounds: int) -> dict:
 
 
 def summarise(measured: dict, probe_s: float) -> dict:
-    med = {k: statistics.median(measured[k]) for k in ("labkit", "raw", "labkit_period")}
+    # a run shorter than the ~0.1 s progress interval reports only its last step: no period
+    med = {k: statistics.median(measured[k]) if measured[k] else math.nan
+           for k in ("labkit", "raw", "labkit_period")}
     round_ratios = [r["labkit"] / r["raw"] for r in measured["rounds"]]
     return {
         "median_step_s": {"labkit": med["labkit"], "raw": med["raw"]},

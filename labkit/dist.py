@@ -124,6 +124,9 @@ def _init(backend: str, device: torch.device, init_method: str | None, *, rank: 
         raise ValueError("nccl needs GPU tensors; on CPU ranks use backend='gloo' (or None)")
     dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    # gloo connects its full mesh lazily; without this a rank that finishes at once can destroy
+    # the group while a peer is still connecting ("connectFullMesh failed", ~1 launch in 60).
+    dist.barrier()
 
 
 # ---- rank-aware output -------------------------------------------------------------------------

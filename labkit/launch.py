@@ -40,6 +40,7 @@ __all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "LaunchCancell
 
 _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit", "labkit.launch"]
 _STOP_GRACE_S = 2.0
+_ROOT_CAUSE_WAIT_S = 0.5
 
 
 class LaunchError(RuntimeError):
@@ -155,7 +156,7 @@ def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
         elif kind == "result":
             results[rank] = cloudpickle.loads(payload)
         elif kind == "error":
-            raise RankError(rank, world_size, payload)
+            raise _root_cause(rank, payload, procs, sentinels, results)
 
     while len(results) < world_size:
         if cancel is not None and cancel.is_set():
@@ -186,6 +187,30 @@ def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
                                 f"process exited with code {code} before returning a result "
                                 f"({_describe_exit(code)})", exitcode=code)
     return [results[r] for r in range(world_size)]
+
+
+def _root_cause(rank, text, procs, sentinels, results) -> RankError:
+    """The error to raise when ``rank`` reported ``text``. A peer that died outside Python (a
+    segfault, SIGKILL, os._exit) sends nothing, and the first message to arrive is then the
+    survivor's "connection closed by peer"; so give the others a moment to exit, and name a rank
+    that died silently as the cause."""
+    world_size = len(procs)
+    deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
+    while time.monotonic() < deadline:
+        silent = [r for r in sentinels.values()
+                  if r != rank and r not in results and procs[r].exitcode not in (None, 0, 1)]
+        if silent:
+            r = silent[0]
+            code = procs[r].exitcode
+            return RankError(r, world_size,
+                             f"process exited with code {code} without reporting "
+                             f"({_describe_exit(code)}); then rank {rank} failed:\n{text}",
+                             exitcode=code)
+        alive = [s for s, r in sentinels.items() if r != rank and procs[r].exitcode is None]
+        if not alive:
+            break
+        wait(alive, timeout=max(0.0, deadline - time.monotonic()))
+    return RankError(rank, world_size, text)
 
 
 def _rank_main(payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path: str) -> None:

@@ -69,7 +69,8 @@ def split(model: nn.Sequential, bounds: Sequence[int]) -> list[nn.Sequential]:
     if list(bounds) != sorted(set(bounds)) or bounds[0] != 0 or ends[-1] <= bounds[-1]:
         raise ValueError(f"bounds {list(bounds)} must start at 0 and strictly increase below "
                          f"{len(model)}")
-    return [model[a:b] for a, b in zip(bounds, ends)]
+    # Renumber from 0: slicing a Sequential keeps the whole model's indices as names.
+    return [nn.Sequential(*list(model)[a:b]) for a, b in zip(bounds, ends)]
 
 
 def stage_param_names(bounds: Sequence[int], stage: int, stage_module: nn.Module) -> dict[str, str]:

@@ -186,8 +186,6 @@ def test_split_stages_hold_the_whole_models_own_parameters(name):
     assert sorted(local) == sorted(whole)                # shared, not copied; each once
 
 
-@pytest.mark.xfail(strict=True, reason="labkit/models.py: split() slices keep the whole model's "
-                   "indices as names, and stage_param_names adds the stage offset again")
 @pytest.mark.parametrize("name", MODELS)
 def test_stage_param_names_map_to_the_whole_model(name):
     model = MODELS[name][0]()
