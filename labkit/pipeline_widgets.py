@@ -15,9 +15,10 @@ import ipywidgets as W
 from . import experiment, timeline
 from .config import PIPELINE_STRATEGIES, RunConfig
 from .launch import LaunchCancelled
+from .widgets import BackgroundRun
 
 
-class PipelinePanel:
+class PipelinePanel(BackgroundRun):
     """Sliders for P and M, a schedule and impl picker, Run/Stop, and a Gantt chart."""
 
     def __init__(self, base: RunConfig, max_stages: int = 4):
@@ -25,7 +26,7 @@ class PipelinePanel:
         self.result: experiment.RunResult | None = None
         self.figure = None
         self.error: BaseException | None = None
-        self._cancel, self._thread = threading.Event(), None
+        self._cancel = threading.Event()
         style = {"description_width": "initial"}
         self.stages = W.IntSlider(value=base.stages, min=1, max=max_stages, description="stages P",
                                   style=style)
@@ -87,16 +88,6 @@ class PipelinePanel:
         """Median over steps of the stages' mean idle share in the last run."""
         df = self.result.records
         return float(df.groupby("step")["bubble_fraction"].mean().median())
-
-    def start(self) -> threading.Thread:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self.run, daemon=True)
-            self._thread.start()
-        return self._thread
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
 
     def _progress(self, rank: int, metrics: dict) -> None:
         self.bars.children[rank].value = metrics["step"]

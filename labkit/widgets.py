@@ -23,7 +23,24 @@ def world_sizes_upto(n: int) -> list[int]:
     return sorted({1, n, *[2**k for k in range(1, n.bit_length()) if 2**k <= n]})
 
 
-class RunPanel:
+class BackgroundRun:
+    """``start()`` runs ``self.run`` in a thread (what a Run button does, so Stop stays
+    clickable); ``wait()`` joins it, for unattended notebooks."""
+
+    _thread: threading.Thread | None = None
+
+    def start(self) -> threading.Thread:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self.run, daemon=True)
+            self._thread.start()
+        return self._thread
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+class RunPanel(BackgroundRun):
     """World-size slider, strategy picker, batch and steps, Run/Stop, live per-rank progress."""
 
     def __init__(self, base: RunConfig, strategies: Sequence[str], selected: Sequence[str],
@@ -36,7 +53,7 @@ class RunPanel:
         self.records: pd.DataFrame | None = None
         self.table: pd.DataFrame | None = None
         self.error: BaseException | None = None
-        self._cancel, self._thread = threading.Event(), None
+        self._cancel = threading.Event()
 
         style = {"description_width": "initial"}
         self.world = W.IntSlider(value=min(base.world_size, top), min=1, max=top,
@@ -87,18 +104,6 @@ class RunPanel:
         finally:
             self.run_button.disabled, self.stop_button.disabled = False, True
         return None
-
-    def start(self) -> threading.Thread:
-        """Run in a background thread (what the Run button does)."""
-        if self._thread is not None and self._thread.is_alive():
-            return self._thread
-        self._thread = threading.Thread(target=self.run, daemon=True)
-        self._thread.start()
-        return self._thread
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
 
     def _progress(self, cfg: RunConfig, rank: int, metrics: dict) -> None:
         key = f"{cfg.strategy}@{cfg.world_size}"
