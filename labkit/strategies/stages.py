@@ -60,8 +60,8 @@ def make_stage(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) ->
 
 
 def whole_names(model: nn.Module, part: nn.Module) -> dict[str, str]:
-    """Map ``part``'s parameter names to ``model``'s by identity, so the mapping is right whether
-    or not slicing a Sequential keeps the original indices as names (it does)."""
+    """Map ``part``'s parameter names to ``model``'s by identity (the same tensors), so it holds
+    for any way of cutting the model, not only ``models.split``'s renumbered slices."""
     by_id = {id(p): name for name, p in model.named_parameters()}
     return {name: by_id[id(p)] for name, p in part.named_parameters()}
 
