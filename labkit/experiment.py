@@ -37,15 +37,14 @@ def run(cfg: RunConfig, *, model_fn=None, data_fn=None, on_progress: Progress | 
     """Launch ``cfg`` on ``cfg.ranks`` processes and collect what every rank measured."""
     kind = resolve_device(cfg.device, cfg.ranks)
     threads = cfg.threads or _threads_for(cfg, kind)
-    notes = []
-    if kind == "cpu" and (msg := oversubscription(cfg.ranks, threads)):
-        notes.append(msg)
+    oversub = oversubscription(cfg.ranks, threads) if kind == "cpu" else None
+    notes = [oversub] if oversub else []
     results = launch(run_rank, cfg.ranks, args=(cfg,),
                      kwargs={"model_fn": model_fn, "data_fn": data_fn},
                      timeout_s=cfg.timeout_s, device=kind, backend=cfg.backend, threads=threads,
                      on_progress=on_progress, cancel=cancel)
     records = pd.DataFrame([rec for res in results for rec in res["records"]])
-    records["oversubscribed"] = bool(notes)
+    records["oversubscribed"] = oversub is not None
     for res in results:
         notes += [n for n in res.get("notes", []) if n not in notes]
     params = None

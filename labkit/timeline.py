@@ -19,6 +19,8 @@ import torch
 from plotly.subplots import make_subplots
 from torch import nn
 
+from .probes import sync
+
 SCHEDULES = ("gpipe", "1f1b")
 _COLORS = {"F": "#4C78A8", "B": "#F58518"}
 
@@ -112,11 +114,11 @@ def layer_costs(model: nn.Sequential, example: torch.Tensor, repeats: int = 5,
         times = []
         for i in range(warmup + repeats):
             inp = x.detach().requires_grad_(x.is_floating_point())
-            _sync(inp.device)
+            sync(inp.device)
             t0 = time.perf_counter()
             out = block(inp)
             out.float().sum().backward()
-            _sync(inp.device)
+            sync(inp.device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         block.zero_grad(set_to_none=True)
@@ -156,11 +158,6 @@ def stage_costs(costs: Sequence[float], bounds: Sequence[int]) -> list[float]:
     """Summed block cost of each stage for the given stage start indices."""
     ends = list(bounds[1:]) + [len(costs)]
     return [sum(costs[a:b]) for a, b in zip(bounds, ends)]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---- figures (returned, never shown) -----------------------------------------------------------

@@ -69,8 +69,8 @@ class RunPanel(BackgroundRun):
         self.out = W.Output()
         self.run_button.on_click(lambda _: self.start())
         self.stop_button.on_click(lambda _: self._cancel.set())
-        self.world.observe(lambda _: self._warn(honest, env.device), names="value")
-        self._warn(honest, env.device)
+        self.world.observe(lambda _: self._warn(env.device), names="value")
+        self._warn(env.device)
         controls = W.HBox([W.VBox([self.world, self.batch, self.steps]), self.strategies,
                            W.VBox([self.run_button, self.stop_button])])
         self.widget = W.VBox([controls, self.status, self.bars, self.out])
@@ -125,7 +125,7 @@ class RunPanel(BackgroundRun):
             for fig in self.charts(self.records, self.table):
                 display(fig)                # into the panel's own Output, on Run
 
-    def _warn(self, honest: int, device: str) -> None:
+    def _warn(self, device: str) -> None:
         msg = oversubscription(self.world.value) if device == "cpu" else None
         self.status.value = f"<span style='color:#b00'>{_escape(msg)}</span>" if msg else ""
 

@@ -17,7 +17,7 @@ from ..config import RunConfig
 from ..data import batches, make_dataset, shard_loader
 from ..dist import RankContext
 from ..models import make_model
-from ..probes import StepProbe
+from ..probes import StepProbe, sync
 
 ModelFn = Callable[[RunConfig], nn.Module]
 DataFn = Callable[[RunConfig], torch.utils.data.Dataset]
@@ -65,7 +65,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
                       device=str(ctx.device), global_batch=cfg.global_batch)
     comm_baseline_s, records, total = None, [], cfg.warmup + cfg.steps
-    reported = 0.0
+    progress = Progress(ctx, total)
     for i in range(total):
         if i == cfg.warmup and calibrate is not None:
             comm_baseline_s = calibrate()
@@ -87,15 +87,27 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                            comm_bytes=comm_bytes)
         if i >= cfg.warmup:
             records.append(rec)
-        # Progress wakes the caller's process; on a small machine it shares a core with a rank,
-        # so report ~10 times a second, not every step (measured: up to 1.5 ms a message).
-        if time.perf_counter() - reported > 0.1 or i + 1 == total:
-            ctx.report(step=i + 1, total=total, loss=rec["loss"])
-            reported = time.perf_counter()
+        progress(i + 1, rec["loss"])
     final = params() if params is not None else dict(model.named_parameters())
     return {"records": records, "notes": notes or [],
             "params": {k: v.detach().cpu().clone() for k, v in final.items()}
             if cfg.deterministic else None}
+
+
+class Progress:
+    """``ctx.report(step, total, loss)`` about 10 times a second and on the last step.
+
+    Each message wakes the caller's process, which on a small machine shares a core with a
+    rank (measured: up to 1.5 ms a message), so a training loop must not report every step.
+    """
+
+    def __init__(self, ctx: RankContext, total: int, every_s: float = 0.1):
+        self.ctx, self.total, self.every_s, self.last = ctx, total, every_s, 0.0
+
+    def __call__(self, step: int, loss: float) -> None:
+        if time.perf_counter() - self.last > self.every_s or step == self.total:
+            self.ctx.report(step=step, total=self.total, loss=loss)
+            self.last = time.perf_counter()
 
 
 def backward_time_without_comm(model, loss_fn, batch, device, repeats: int = 5) -> float:
@@ -105,15 +117,10 @@ def backward_time_without_comm(model, loss_fn, batch, device, repeats: int = 5) 
     for _ in range(repeats):
         with model.no_sync():
             loss = loss_fn(model(x), y)
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             loss.backward()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
     return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -34,7 +34,7 @@ def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
     notes = [f"stage {stage.index} holds blocks {stage.bounds[stage.index]}.."
              f"{(stage.bounds + [None])[stage.index + 1] or 'end'} (bounds {stage.bounds}"
              f"{', balanced by measured cost' if cfg.balance else ', equal layer counts'})"]
-    if cfg.pipeline_impl == "torch" and schedule != "model_parallel":
+    if cfg.pipeline_impl == "torch":    # model_parallel.run has already set "scratch"
         step_fn = torch_schedule(cfg, ctx, stage, meter, schedule)
         notes.append("torch impl: events time the stage's forward_one_chunk/backward_one_chunk "
                      "calls inside torch.distributed.pipelining's schedule (compute only; its "
@@ -42,8 +42,8 @@ def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
     else:
         step_fn = scratch_schedule(cfg, ctx, stage, meter, schedule)
     return train_stages(cfg, ctx, stage, step_fn, optimizer=optimizer, meter=meter,
-                        data_fn=data_fn, schedule=schedule, impl=cfg.pipeline_impl
-                        if schedule != "model_parallel" else "scratch", notes=notes)
+                        data_fn=data_fn, schedule=schedule, impl=cfg.pipeline_impl,
+                        notes=notes)
 
 
 def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: ActivationMeter,

@@ -19,9 +19,9 @@ from torch import nn
 from .. import timeline
 from ..config import RunConfig
 from ..dist import RankContext
-from ..models import even_bounds, split
+from ..models import even_bounds, split, stage_param_names
 from ..probes import peak_memory, sync
-from .common import build_model, data_iter
+from .common import Progress, build_model, data_iter
 
 
 @dataclass
@@ -55,15 +55,8 @@ def make_stage(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) ->
     shapes = boundary_shapes(model, x)
     s, ends = ctx.rank, bounds[1:] + [len(model)]
     module = split(model, bounds)[s]
-    return Stage(s, cfg.stages, bounds, module, whole_names(model, module),
+    return Stage(s, cfg.stages, bounds, module, stage_param_names(bounds, s, module),
                  shapes[bounds[s]], shapes[ends[s]])
-
-
-def whole_names(model: nn.Module, part: nn.Module) -> dict[str, str]:
-    """Map ``part``'s parameter names to ``model``'s by identity (the same tensors), so it holds
-    for any way of cutting the model, not only ``models.split``'s renumbered slices."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return {name: by_id[id(p)] for name, p in part.named_parameters()}
 
 
 def stage_bounds(cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor) -> list[int]:
@@ -172,6 +165,7 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
     """
     data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.global_batch)
     total, records = cfg.warmup + cfg.steps, []
+    progress = Progress(ctx, total)
     for i in range(total):
         meter.reset()
         t_start = time.perf_counter()
@@ -188,7 +182,7 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
         optimizer.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         if i < cfg.warmup:
-            ctx.report(step=i + 1, total=total, loss=out.loss if out.loss is not None else float("nan"))
+            progress(i + 1, out.loss if out.loss is not None else float("nan"))
             continue
         events = list(out.log.events)
         fwd = sum(e["end"] - e["start"] for e in events if e["kind"] == "F")
@@ -209,7 +203,7 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
             "activation_bytes_peak": meter.peak_bytes, "compute_cpu_share": cpu_share,
             "events": events})
         notes.extend(n for n in out.notes if n not in notes)
-        ctx.report(step=i + 1, total=total, loss=records[-1]["loss"])
+        progress(i + 1, records[-1]["loss"])
     _fill_bubbles(ctx, records)
     params = None
     if cfg.deterministic:
