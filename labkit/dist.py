@@ -9,6 +9,7 @@ environment, so strategy code runs unchanged.
 from __future__ import annotations
 
 import builtins
+import gc
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -107,6 +108,11 @@ def session(rank: int | None = None, world_size: int | None = None, *, device: s
     try:
         yield RankContext(rank, local_rank, world_size, dev, backend, report)
     finally:
+        # DDP's reducer sits in reference cycles that keep the group's gloo work (and tensors)
+        # alive until the interpreter shuts down, where freeing them aborts the process
+        # ("terminate called without an active exception", ~1 torchrun run in 15; pytorch#179291).
+        # Collect while Python is still fully alive, then destroy.
+        gc.collect()
         cleanup()
 
 
