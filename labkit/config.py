@@ -49,7 +49,9 @@ class RunConfig:
     pipeline_impl: str = "scratch"  # "scratch": labkit's own schedule; "torch": torch.distributed.pipelining
     balance: bool = False        # partition stages by measured layer cost instead of layer count
 
-    deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final params
+    # ---- equivalence and your own model (labkit.equivalence, labkit.factories)
+    sync_batchnorm: bool = False  # ddp/ddp_naive: batch statistics over the global batch (SyncBN)
+    deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final state
     timeout_s: float = 300.0     # a launch (and every collective) gives up after this long
 
     def __post_init__(self) -> None:
@@ -60,6 +62,8 @@ class RunConfig:
                      "classes", "dataset_size", "stages", "microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}: pick a learning rate like 0.05")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.model not in MODELS:

@@ -135,6 +135,36 @@ def _init(backend: str, device: torch.device, init_method: str | None, *, rank: 
     dist.barrier()
 
 
+def clock_offset(ctx: RankContext, repeats: int = 8) -> float:
+    """Seconds to add to this rank's ``perf_counter`` to read rank 0's.
+
+    Processes on one machine share one monotonic clock (Linux CLOCK_MONOTONIC), so the offset
+    is 0 and costs nothing. Across machines (under torchrun multi-node) each rank estimates it
+    from timestamps exchanged with rank 0 (Cristian's algorithm: the reply with the shortest
+    round trip, rank 0's clock taken at the midpoint), good to about half a round trip.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    if not ctx.distributed or local == ctx.world_size:
+        return 0.0
+    import time
+    best, offset = float("inf"), 0.0
+    t = torch.zeros(1, dtype=torch.float64, device=ctx.device)
+    for peer in range(1, ctx.world_size):            # one rank at a time, against rank 0
+        for _ in range(repeats):
+            if ctx.rank == peer:
+                sent = time.perf_counter()
+                dist.send(t, dst=0)
+                dist.recv(t, src=0)
+                back = time.perf_counter()
+                if back - sent < best:
+                    best, offset = back - sent, float(t.item()) - (sent + back) / 2
+            elif ctx.rank == 0:
+                dist.recv(t, src=peer)
+                t.fill_(time.perf_counter())
+                dist.send(t, dst=peer)
+    return offset
+
+
 # ---- rank-aware output -------------------------------------------------------------------------
 
 def _rank_and_world() -> tuple[int, int]:

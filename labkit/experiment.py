@@ -17,8 +17,12 @@ import torch
 
 from .config import PIPELINE_STRATEGIES, STRATEGY_RANKS, RunConfig
 from .env import cpu_cores, oversubscription, resolve_device
+from .factories import Factories, validate
 from .launch import launch
+from .predict.schedule import ScheduleCosts, costs_from_steps, predict_step
+from .probes import TIME_COLUMNS
 from .strategies import run_rank
+from .timeline import theory_bubble
 
 Progress = Callable[[int, dict], None]
 
@@ -32,19 +36,24 @@ class RunResult:
     results: list[dict] = field(default_factory=list, repr=False)   # raw per-rank results
 
 
-def run(cfg: RunConfig, *, model_fn=None, data_fn=None, on_progress: Progress | None = None,
+def run(cfg: RunConfig, *, model_fn=None, data_fn=None, loss_fn=None, optimizer_fn=None,
+        on_progress: Progress | None = None,
         cancel: threading.Event | None = None) -> RunResult:
-    """Launch ``cfg`` on ``cfg.ranks`` processes and collect what every rank measured."""
+    """Launch ``cfg`` on ``cfg.ranks`` processes and collect what every rank measured.
+
+    Your own ``model_fn``/``data_fn``/``loss_fn``/``optimizer_fn`` (see ``labkit.factories``)
+    are checked here, before any rank starts."""
+    fns = Factories(model_fn, data_fn, loss_fn, optimizer_fn)
+    validate(cfg, fns)
     kind = resolve_device(cfg.device, cfg.ranks)
     threads = cfg.threads or _threads_for(cfg, kind)
     oversub = oversubscription(cfg.ranks, threads) if kind == "cpu" else None
     notes = [oversub] if oversub else []
-    results = launch(run_rank, cfg.ranks, args=(cfg,),
-                     kwargs={"model_fn": model_fn, "data_fn": data_fn},
-                     timeout_s=cfg.timeout_s, device=kind, backend=cfg.backend, threads=threads,
-                     on_progress=on_progress, cancel=cancel)
-    records = pd.DataFrame([rec for res in results for rec in res["records"]])
+    results = launch(run_rank, cfg.ranks, args=(cfg, fns), timeout_s=cfg.timeout_s, device=kind,
+                     backend=cfg.backend, threads=threads, on_progress=on_progress, cancel=cancel)
+    records = finalize([rec for res in results for rec in res["records"]])
     records["oversubscribed"] = oversub is not None
+    notes += records.attrs.pop("notes", [])
     for res in results:
         notes += [n for n in res.get("notes", []) if n not in notes]
     params = None
@@ -61,9 +70,110 @@ def _threads_for(cfg: RunConfig, kind: str) -> int:
     return max(1, cpu_cores() // cfg.ranks) if kind == "cpu" else 1
 
 
+def finalize(records: list[dict]) -> pd.DataFrame:
+    """One run's per-rank records -> the records labkit shows (the launcher and torchrun alike).
+
+    * ``loss`` is the global batch's loss: the sample-weighted mean of the ranks' shard losses
+      (for pipelines, the last stage's, the only one with a loss).
+    * At world size 1 nothing is communicated: what the comm phase measured (DDP's reducer, a
+      one-rank all-reduce) moves to ``sync_overhead_s``.
+    * ``start_s`` is measured from the run's first step; pipeline events from their step's
+      earliest start on any rank (one clock for every rank: the shared ``perf_counter``).
+    * Pipelines get ``bubble_fraction`` (measured), ``bubble_predicted`` (the schedule simulated
+      on this step's measured stage costs and hand-offs) and ``bubble_theory`` ((P-1)/(M+P-1)).
+    """
+    df = pd.DataFrame(records)
+    if df.empty:
+        return df
+    weight = df["samples"].where(df["shard_loss"].notna(), 0)
+    num = (df["shard_loss"].fillna(0) * weight).groupby(df["step"]).sum()
+    den = weight.groupby(df["step"]).sum()
+    df["loss"] = df["step"].map(num / den.where(den > 0))
+    if "sync_overhead_s" not in df:
+        df["sync_overhead_s"] = 0.0
+    alone = df["world_size"] == 1
+    df.loc[alone, "sync_overhead_s"] += df.loc[alone, "comm_s"]
+    df.loc[alone, "comm_s"] = 0.0
+    if "events" in df:
+        _pipeline_columns(df)
+    df["start_s"] = df["start_s"] - df["start_s"].min()
+    return df
+
+
+def _pipeline_columns(df: pd.DataFrame) -> None:
+    """Every stage's events of a step on one origin; the bubble measured per step, and predicted
+    by simulating the schedule on the run's measured costs (``labkit.predict.schedule``)."""
+    schedule, M = df["schedule"].iloc[0], int(df["microbatches"].iloc[0])
+    P = int(df["world_size"].iloc[0])
+    steps = []
+    df["span_s"] = df["bubble_fraction"] = math.nan
+    for _, g in df.groupby("step"):
+        origin = g["start_s"].min()
+        for i in g.index:
+            df.at[i, "events"] = [{**e, "start": e["start"] - origin, "end": e["end"] - origin}
+                                  for e in df.at[i, "events"]]
+        events = [e for i in g.index for e in df.at[i, "events"]]
+        span = max(e["end"] for e in events) - min(e["start"] for e in events)
+        for i in g.index:
+            busy = df.at[i, "forward_s"] + df.at[i, "backward_s"]
+            df.at[i, "span_s"] = span
+            df.at[i, "bubble_fraction"] = max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+        steps.append(events)
+    costs = costs_from_steps(steps, P)
+    predicted = predict_step(schedule, M, costs)
+    stage = df["stage"].astype(int)
+    df["bubble_predicted"] = stage.map(predicted["bubble_per_stage"])
+    df["span_predicted_s"] = predicted["span_s"]
+    df["handoff_s"] = stage.map(dict(enumerate(costs.handoff_s))).astype(float)
+    df["dispatch_gap_s"] = stage.map(dict(enumerate(costs.gap_s)))
+    df["bubble_theory"] = theory_bubble(P, M)
+    df.attrs["notes"] = [n for n in [latency_note(costs, M)] if n]
+
+
+def latency_note(costs: ScheduleCosts, microbatches: int) -> str | None:
+    """A sentence when hand-offs and dispatch rival a micro-batch's compute, else None."""
+    compute = min(f + b for f, b in zip(costs.forward_s, costs.backward_s))
+    overhead = max(costs.handoff_s, default=0.0) + max(costs.gap_s, default=0.0)
+    if compute <= 0 or overhead < 0.25 * compute:
+        return None
+    return (f"micro-batches are latency-bound: each costs {1e3 * compute:.2f} ms of compute (F+B) "
+            f"on its fastest stage, but {1e3 * overhead:.2f} ms of hand-off and dispatch, which "
+            f"the closed form (P-1)/(M+P-1) counts as zero; the measured bubble sits above it. "
+            f"Fewer micro-batches (M={microbatches} now), a larger global batch or a wider "
+            f"model give each micro-batch more compute per message")
+
+
+class LiveLoss:
+    """The global-batch loss of the latest step every rank has reported, from progress messages
+    (each carries a rank's (step, shard loss, samples) since its last message)."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+        self.seen: dict[int, dict[int, tuple[float, int]]] = {}
+        self.latest: tuple[int, float] | None = None
+
+    def update(self, rank: int, metrics: dict) -> tuple[int, float] | None:
+        """Feed one rank's progress message; return (step, global loss) or None yet."""
+        for step, loss, samples in metrics.get("losses", ()):
+            self.seen.setdefault(step, {})[rank] = (loss, samples)
+        done = [s for s, got in self.seen.items() if len(got) == self.ranks]
+        if done:
+            step = max(done)
+            pairs = [(l, n) for l, n in self.seen[step].values() if n > 0 and not math.isnan(l)]
+            n = sum(n for _, n in pairs)
+            if n:
+                self.latest = (step, sum(l * n for l, n in pairs) / n)
+            self.seen = {s: got for s, got in self.seen.items() if s > step}
+        return self.latest
+
+
 def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int]) -> list[RunConfig]:
     """Configs for every strategy at every world size it can use (single once, at 1; pipeline
-    strategies once, at ``stages``); invalid combinations raise with the fix."""
+    strategies once, at ``stages``); invalid combinations raise with the fix.
+
+    On CPU, ``single`` is also run on one rank's share of the cores for each rank share the
+    grid uses (e.g. 1 thread beside ddp@2 on 2 cores): the parallel-efficiency reference, next
+    to single on all cores (what you would get without distributing)."""
     configs = []
     for name in strategies:
         if name not in STRATEGY_RANKS:
@@ -75,21 +185,29 @@ def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int])
         else:
             sizes = list(world_sizes)
         configs += [base.replace(strategy=name, world_size=w) for w in sizes]
+    if "single" in strategies and resolve_device(base.device, 1) == "cpu" and base.threads is None:
+        whole = _threads_for(base.replace(strategy="single", world_size=1), "cpu")
+        shares = sorted({_threads_for(c, "cpu") for c in configs} - {whole})
+        at = next(i for i, c in enumerate(configs) if c.strategy == "single") + 1
+        configs[at:at] = [base.replace(strategy="single", world_size=1, threads=t)
+                          for t in shares]
     return configs
 
 
-def compare(configs: Iterable[RunConfig], *, model_fn=None, data_fn=None,
-            on_progress: Callable[[RunConfig, int, dict], None] | None = None,
+def compare(configs: Iterable[RunConfig], *, model_fn=None, data_fn=None, loss_fn=None,
+            optimizer_fn=None, on_progress: Callable[[RunConfig, int, dict], None] | None = None,
             on_result: Callable[[RunResult], None] | None = None,
             cancel: threading.Event | None = None) -> pd.DataFrame:
     """Run each config in turn; return all records in one DataFrame (notes in ``.attrs``)."""
     frames, notes = [], {}
     for cfg in configs:
         cb = None if on_progress is None else (lambda r, m, cfg=cfg: on_progress(cfg, r, m))
-        res = run(cfg, model_fn=model_fn, data_fn=data_fn, on_progress=cb, cancel=cancel)
+        res = run(cfg, model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn,
+                  optimizer_fn=optimizer_fn, on_progress=cb, cancel=cancel)
         frames.append(res.records)
         if res.notes:
-            notes[f"{cfg.strategy}@{cfg.world_size}"] = res.notes
+            notes[run_label(cfg.strategy, cfg.world_size, res.records["threads"].iloc[0])] = \
+                res.notes
         if on_result is not None:
             on_result(res)
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -97,49 +215,97 @@ def compare(configs: Iterable[RunConfig], *, model_fn=None, data_fn=None,
     return df
 
 
-def summarize(records: pd.DataFrame) -> pd.DataFrame:
-    """One row per (strategy, world_size): medians over steps of the slowest rank's step.
+# A rank that got less than this share of a core while computing was descheduled: something
+# else ran on its core, and its timings say more about that than about the strategy.
+BUSY_SHARE = 0.8
 
-    step_ms: median over steps of the max over ranks (the slowest rank gates every step);
-    samples_per_s: global batch / that step time; comm_share: exposed communication over
-    step time; speedup: samples_per_s over single's; efficiency: speedup / world_size.
+
+def run_label(strategy: str, world_size: int, threads) -> str:
+    """How a run is named in tables and charts: ``ddp@2``; single says its thread count."""
+    if strategy == "single":
+        return f"single ({int(threads)} thread{'s' if threads != 1 else ''})"
+    return f"{strategy}@{world_size}"
+
+
+def _runs(records: pd.DataFrame):
+    keys = ["strategy", "world_size"] + (["threads"] if "threads" in records else [])
+    return records.groupby(keys, sort=False)
+
+
+def median_steps(records: pd.DataFrame) -> pd.DataFrame:
+    """For each run, the record of the rank that gated its median step.
+
+    A step is gated by its slowest rank (max over ranks of step_s); the median step is the
+    step whose gated time is the median (the lower one of an even count, so it is a real step).
+    Every table and chart shows this one statistic, so a table's step time is exactly the sum
+    of the phases its chart stacks."""
+    rows = []
+    for _, g in _runs(records):
+        slowest = g.loc[g.groupby("step")["step_s"].idxmax()].sort_values("step_s")
+        rows.append(slowest.iloc[(len(slowest) - 1) // 2])
+    return pd.DataFrame(rows).reset_index(drop=True)
+
+
+def summarize(records: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: the median step (gated by the slowest rank) and what follows from it.
+
+    step_ms, comm_ms: the median step's time and its exposed communication; samples_per_s:
+    global batch / step time; speedup_all_cores: over single on all cores (what you get without
+    distributing); speedup_same_cores: over single on one rank's share of the cores (threads per
+    rank), and efficiency = that / world_size; cpu_share: median over steps of the least CPU
+    share any rank got while computing; busy: below ``BUSY_SHARE``, the machine was busy and the
+    row is not comparable; loss: the global batch's loss at the last step.
     """
     if records.empty:
         return pd.DataFrame()
-    per_step = (records.groupby(["strategy", "world_size", "step"], sort=False)
-                .agg(step_s=("step_s", "max"), comm_s=("comm_s", "max"),
-                     global_batch=("global_batch", "first"), loss=("loss", "last"),
-                     peak=("peak_mem_bytes", "max"))
-                .reset_index())
-    rows = []
-    for (strategy, world_size), g in per_step.groupby(["strategy", "world_size"], sort=False):
-        step_s = g["step_s"].median()
-        rows.append({"strategy": strategy, "world_size": int(world_size),
-                     "step_ms": 1e3 * step_s,
-                     "samples_per_s": g["global_batch"].iloc[0] / step_s,
-                     "comm_share": float((g["comm_s"] / g["step_s"]).median()),
-                     "final_loss": float(g["loss"].iloc[-1]),
-                     "peak_mem_mb": g["peak"].max() / 2**20})
-    table = pd.DataFrame(rows)
-    single = table.loc[table["strategy"] == "single", "samples_per_s"]
-    base = single.iloc[0] if len(single) else math.nan
-    table["speedup"] = table["samples_per_s"] / base
-    table["efficiency"] = table["speedup"] / table["world_size"]
-    if "bubble_fraction" in records:       # pipelines: idle share, median over steps and stages
-        bubble = records.groupby(["strategy", "world_size"], sort=False)["bubble_fraction"].median()
-        table["bubble_fraction"] = [bubble.get((s, w), math.nan)
-                                    for s, w in zip(table["strategy"], table["world_size"])]
+    if "threads" not in records:
+        records = records.assign(threads=1)
+    med = median_steps(records)
+    table = pd.DataFrame({
+        "run": [run_label(s, w, t) for s, w, t in
+                zip(med["strategy"], med["world_size"], med["threads"])],
+        "strategy": med["strategy"], "world_size": med["world_size"].astype(int),
+        "threads": med["threads"].astype(int),
+        "step_ms": 1e3 * med["step_s"], "samples_per_s": med["global_batch"] / med["step_s"],
+        "comm_ms": 1e3 * med["comm_s"], "comm_share": med["comm_s"] / med["step_s"]})
+    runs = _runs(records)
+    table["loss"] = [float(g.loc[g["step"] == g["step"].max(), "loss"].iloc[0])
+                     for _, g in runs]
+    table["peak_mem_mb"] = [g["peak_mem_bytes"].max() / 2**20 for _, g in runs]
+    if "compute_cpu_share" in records:
+        table["cpu_share"] = [float(g.groupby("step")["compute_cpu_share"].min().median())
+                              for _, g in runs]
+        table["busy"] = table["cpu_share"] < BUSY_SHARE
+    single = table[table["strategy"] == "single"].set_index("threads")["samples_per_s"]
+    all_cores = single.loc[single.index.max()] if len(single) else math.nan
+    table["speedup_all_cores"] = table["samples_per_s"] / all_cores
+    table["speedup_same_cores"] = table["samples_per_s"] / table["threads"].map(single)
+    table["efficiency"] = table["speedup_same_cores"] / table["world_size"]
+    if "bubble_fraction" in records:       # pipelines: the stages' mean idle share
+        table["bubble_fraction"] = [step_bubbles(g).median() for _, g in runs]
+        for col in ("bubble_predicted", "bubble_theory"):    # one value per stage in a run
+            table[col] = [g.groupby("stage")[col].first().mean() for _, g in runs]
     if "oversubscribed" in records:
-        flag = records.groupby(["strategy", "world_size"], sort=False)["oversubscribed"].any()
-        table["oversubscribed"] = [bool(flag.get((s, w), False))
-                                   for s, w in zip(table["strategy"], table["world_size"])]
+        table["oversubscribed"] = [bool(g["oversubscribed"].any()) for _, g in runs]
     return table
 
 
+def step_bubbles(records: pd.DataFrame, min_cpu_share: float | None = None) -> pd.Series:
+    """Per step, the stages' mean idle share; with ``min_cpu_share``, only the steps in which
+    every rank got at least that share of a core (the others measured the machine's load)."""
+    per_step = records.groupby("step").agg(bubble=("bubble_fraction", "mean"),
+                                           cpu=("compute_cpu_share", "min"))
+    if min_cpu_share is not None:
+        per_step = per_step[per_step["cpu"] >= min_cpu_share]
+    return per_step["bubble"]
+
+
 def phase_breakdown(records: pd.DataFrame) -> pd.DataFrame:
-    """Mean seconds per phase for each (strategy, world_size), averaged over ranks and steps."""
-    cols = ["data_s", "forward_s", "backward_s", "comm_s", "optimizer_s", "step_s"]
-    return records.groupby(["strategy", "world_size"], sort=False)[cols].mean().reset_index()
+    """Seconds per phase of each run's median step, on the rank that gated it."""
+    med = median_steps(records if "threads" in records else records.assign(threads=1))
+    med.insert(0, "run", [run_label(s, w, t) for s, w, t in
+                          zip(med["strategy"], med["world_size"], med["threads"])])
+    return med[["run", "strategy", "world_size", *TIME_COLUMNS]]
 
 
 def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, *, steps: int = 5,

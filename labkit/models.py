@@ -75,9 +75,16 @@ def split(model: nn.Sequential, bounds: Sequence[int]) -> list[nn.Sequential]:
 
 def stage_param_names(bounds: Sequence[int], stage: int, stage_module: nn.Module) -> dict[str, str]:
     """Map a stage's local parameter names ('0.0.weight') to the whole model's ('2.0.weight')."""
-    offset = bounds[stage]
-    out = {}
-    for name, _ in stage_module.named_parameters():
-        head, _, rest = name.partition(".")
-        out[name] = f"{int(head) + offset}.{rest}"
-    return out
+    return {name: _whole_name(bounds[stage], name) for name, _ in stage_module.named_parameters()}
+
+
+def stage_state_names(bounds: Sequence[int], stage: int, stage_module: nn.Module) -> dict[str, str]:
+    """``stage_param_names`` for parameters and buffers (BatchNorm's running statistics)."""
+    names = [n for n, _ in stage_module.named_parameters()]
+    names += [n for n, _ in stage_module.named_buffers()]
+    return {name: _whole_name(bounds[stage], name) for name in names}
+
+
+def _whole_name(offset: int, local: str) -> str:
+    head, _, rest = local.partition(".")
+    return f"{int(head) + offset}.{rest}"

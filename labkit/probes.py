@@ -1,20 +1,29 @@
 """Per-step, per-rank timing and memory probes: one flat record per (rank, step).
 
 Phases: data (wait for the batch and move it), forward, backward, comm (communication that
-is *exposed*, i.e. not hidden behind backward compute), optimizer (step + zero_grad). They add
-up to ``step_s``. On CPU each boundary is a ``perf_counter`` read (~55 ns). On a GPU kernels run
+is *exposed*, i.e. not hidden behind backward compute), sync_overhead (gradient-sync machinery
+that ran with no peer to talk to: DDP's reducer or a one-rank all-reduce at world size 1; filled
+in by ``experiment.finalize``), optimizer (step + zero_grad). They add up to ``step_s``.
+
+Each record also says how much CPU the rank got when it wanted one (``compute_cpu_share``): of
+the time its threads were ready to run during the step, the share they actually ran (Linux
+schedstat: time on a CPU against time waiting in the run queue; waiting for a peer in a
+collective is sleeping, not waiting for a CPU, so it does not count). Below ~0.8 something
+else had the rank's core, and its timings are not comparable. Where schedstat is missing
+(macOS), the thread's CPU time over the wall time of forward + backward stands in. On CPU each boundary is a ``perf_counter`` read (~55 ns). On a GPU kernels run
 asynchronously, so a CPU clock would time the launch, not the work: each boundary records a
 CUDA event instead, and the step ends with one synchronisation that resolves them all.
 """
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
 
 import torch
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer")
+PHASES = ("data", "forward", "backward", "comm", "sync_overhead", "optimizer")
 TIME_COLUMNS = tuple(f"{p}_s" for p in PHASES) + ("step_s",)
 
 
@@ -24,8 +33,14 @@ class StepProbe:
     def __init__(self, where: torch.device, **base):
         self.device = torch.device(where)
         self.cuda = self.device.type == "cuda"
-        self.base = base                  # strategy, world_size, rank, ... copied into each record
+        self.threads = torch.get_num_threads()
+        # strategy, world_size, rank, ... copied into each record
+        self.base = {**base, "threads": self.threads}
         self._marks: list[tuple[str, object]] = []
+        self._cpu: dict[str, float] = {}
+        self._t0 = 0.0
+        self.sched = RunQueueClock(all_threads=self.threads > 1)
+        self._sched0: tuple[float, float] | None = None
 
     def _now(self):
         if self.cuda:
@@ -35,14 +50,19 @@ class StepProbe:
         return time.perf_counter()
 
     def start(self) -> None:
+        self._t0 = time.perf_counter()     # the shared clock: one CLOCK_MONOTONIC per machine
+        self._sched0 = self.sched.read()
         self._marks = [("start", self._now())]
 
     def mark(self, phase: str) -> None:
         self._marks.append((phase, self._now()))
+        if phase in ("data", "backward"):  # forward + backward: the compute a rank owns
+            self._cpu[phase] = cpu_seconds(self.threads)
 
     def finish(self, step: int, loss: float, samples: int, *, comm_baseline_s: float | None = None,
                comm_bytes: int = 0, **extra) -> dict:
-        """Close the step and return its record.
+        """Close the step and return its record. ``loss`` is this rank's loss on its own samples
+        (``shard_loss``); ``experiment.finalize`` combines ranks into the global-batch ``loss``.
 
         ``comm_baseline_s``: the backward time measured with communication off (DDP under
         ``no_sync()``); whatever backward takes beyond it is exposed communication.
@@ -60,8 +80,59 @@ class StepProbe:
             exposed = max(0.0, times["backward_s"] - comm_baseline_s)
             times["comm_s"] += exposed
             times["backward_s"] -= exposed
-        return {**self.base, "step": step, "loss": float(loss), "samples": samples, **times,
+        share = self.sched.share(self._sched0, self.sched.read())
+        compute = times["forward_s"] + times["backward_s"]
+        if share is None and not self.cuda and compute > 0 and {"data", "backward"} <= set(self._cpu):
+            share = (self._cpu["backward"] - self._cpu["data"]) / compute
+        share = float("nan") if share is None else share
+        return {**self.base, "step": step, "shard_loss": float(loss), "samples": samples, **times,
+                "start_s": self._t0, "compute_cpu_share": share,
                 "peak_mem_bytes": peak_memory(self.device), "comm_bytes": int(comm_bytes), **extra}
+
+
+class RunQueueClock:
+    """Seconds this rank's threads ran on a CPU and waited for one (Linux schedstat), read
+    through descriptors kept open (a few microseconds a read)."""
+
+    def __init__(self, all_threads: bool = False):
+        self.all_threads = all_threads
+        self._fds: dict[str, int] = {}
+        self.available = os.path.exists("/proc/thread-self/schedstat")
+
+    def read(self) -> tuple[float, float] | None:
+        if not self.available:
+            return None
+        names = (["thread-self"] if not self.all_threads
+                 else [f"self/task/{t}" for t in os.listdir("/proc/self/task")])
+        ran = waited = 0
+        for name in names:
+            try:
+                fd = self._fds.get(name)
+                if fd is None:
+                    fd = self._fds[name] = os.open(f"/proc/{name}/schedstat", os.O_RDONLY)
+                on_cpu, run_delay, _ = os.pread(fd, 128, 0).split()
+            except (OSError, ValueError):           # a thread that exited meanwhile
+                self._fds.pop(name, None)
+                continue
+            ran, waited = ran + int(on_cpu), waited + int(run_delay)
+        return ran / 1e9, waited / 1e9
+
+    @staticmethod
+    def share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+        """Of the time spent ready to run between two reads, the share spent running."""
+        if before is None or after is None:
+            return None
+        ran, waited = after[0] - before[0], after[1] - before[1]
+        return ran / (ran + waited) if ran + waited > 0 else 1.0
+
+
+def cpu_seconds(threads: int) -> float:
+    """CPU seconds this rank's compute has had, per torch thread. One thread: the calling
+    thread's own clock (gloo's communication threads excluded); several: the process's, shared
+    out (OpenMP workers do the compute; gloo threads are idle outside communication)."""
+    if threads <= 1:
+        return time.thread_time()
+    return time.process_time() / threads
 
 
 def peak_memory(device: torch.device) -> int:

@@ -19,6 +19,9 @@ import torch
 from plotly.subplots import make_subplots
 from torch import nn
 
+from .predict.schedule import (ScheduleCosts, simulate,  # noqa: F401 (re-exported)
+                               stage_actions)
+from .predict.schedule import bubble_per_stage as bubble_fraction
 from .probes import sync
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -27,21 +30,6 @@ _COLORS = {"F": "#4C78A8", "B": "#F58518"}
 
 # ---- schedules and their theory ----------------------------------------------------------------
 
-def stage_actions(schedule: str, stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
-    """The order in which one stage runs its forwards ("F", m) and backwards ("B", m)."""
-    M = microbatches
-    if schedule in ("gpipe", "model_parallel"):      # all forwards, then all backwards
-        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}: choose gpipe, 1f1b or model_parallel")
-    # 1F1B: enough forwards to fill the pipe below this stage, then alternate, then drain.
-    warmup = min(stages - stage - 1, M)
-    actions = [("F", m) for m in range(warmup)]
-    for i in range(M - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", m) for m in range(M - warmup, M)]
-
-
 def theory_bubble(stages: int, microbatches: int) -> float:
     """Idle share of each stage for P equal stages and M micro-batches: (P-1)/(M+P-1)."""
     return (stages - 1) / (microbatches + stages - 1)
@@ -49,44 +37,9 @@ def theory_bubble(stages: int, microbatches: int) -> float:
 
 def theoretical_events(schedule: str, stages: int, microbatches: int, forward_s: float = 1.0,
                        backward_s: float = 2.0, latency_s: float = 0.0) -> list[dict]:
-    """Simulate the schedule on ideal stages: each F takes ``forward_s``, each B ``backward_s``,
-    and a hop between stages ``latency_s``; an action starts once its stage is free and its
-    input (the previous stage's F, or the next stage's B) has arrived."""
-    queues = [stage_actions(schedule, stages, microbatches, s) for s in range(stages)]
-    done: dict[tuple[str, int, int], float] = {}        # (kind, stage, microbatch) -> end
-    free, pos, events = [0.0] * stages, [0] * stages, []
-    while any(pos[s] < len(queues[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            while pos[s] < len(queues[s]):
-                kind, m = queues[s][pos[s]]
-                if kind == "F":
-                    dep = ("F", s - 1, m) if s > 0 else None
-                else:
-                    dep = ("B", s + 1, m) if s < stages - 1 else ("F", s, m)
-                if dep is not None and dep not in done:
-                    break
-                ready = 0.0 if dep is None else done[dep] + (latency_s if dep[1] != s else 0.0)
-                start = max(free[s], ready)
-                end = start + (forward_s if kind == "F" else backward_s)
-                done[(kind, s, m)] = free[s] = end
-                events.append({"stage": s, "microbatch": m, "kind": kind, "start": start, "end": end})
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {schedule!r} deadlocks at positions {pos}")
-    return events
-
-
-def bubble_fraction(events: Sequence[dict], window: tuple[float, float] | None = None) -> dict[int, float]:
-    """Each stage's idle share of the window (default: first event start to last event end)."""
-    if not events:
-        return {}
-    lo, hi = window or (min(e["start"] for e in events), max(e["end"] for e in events))
-    busy: dict[int, float] = {}
-    for e in events:
-        busy[e["stage"]] = busy.get(e["stage"], 0.0) + (e["end"] - e["start"])
-    return {s: max(0.0, 1.0 - b / (hi - lo)) if hi > lo else 0.0 for s, b in sorted(busy.items())}
+    """The schedule on P identical stages (``labkit.predict.simulate`` with uniform costs)."""
+    return simulate(schedule, microbatches,
+                    ScheduleCosts.uniform(stages, forward_s, backward_s, latency_s))
 
 
 def activations_in_flight(events: Sequence[dict]) -> dict[int, int]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import pytest
@@ -38,8 +39,9 @@ def test_record_is_one_flat_dict_with_the_documented_columns():
     rec = _timed_step(probe, {}, comm_bytes=1024.0, microbatches=4)
     assert {"strategy": "ddp", "world_size": 2, "rank": 1, "device": "cpu",
             "global_batch": 64}.items() <= rec.items()
-    assert (rec["step"], rec["loss"], rec["samples"]) == (3, 0.25, 64)
-    assert isinstance(rec["loss"], float)            # a tensor loss is turned into a number
+    assert (rec["step"], rec["shard_loss"], rec["samples"]) == (3, 0.25, 64)
+    assert isinstance(rec["shard_loss"], float)      # a tensor loss is turned into a number
+    assert rec["threads"] == torch.get_num_threads() and rec["start_s"] > 0
     assert set(TIME_COLUMNS) <= set(rec)
     assert rec["comm_bytes"] == 1024 and isinstance(rec["comm_bytes"], int)
     assert rec["peak_mem_bytes"] > 0 and rec["microbatches"] == 4
@@ -81,7 +83,47 @@ def test_probe_overhead_is_small():
 
 def test_time_columns_match_phases():
     assert TIME_COLUMNS == tuple(f"{p}_s" for p in PHASES) + ("step_s",)
-    assert PHASES == ("data", "forward", "backward", "comm", "optimizer")
+    assert PHASES == ("data", "forward", "backward", "comm", "sync_overhead", "optimizer")
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _spinning_step() -> dict:
+    probe = StepProbe("cpu")
+    probe.start()
+    for phase in PHASES:
+        _spin(0.02)
+        probe.mark(phase)
+    return probe.finish(0, 0.0, 1)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"),
+                    reason="run-queue times come from Linux schedstat")
+def test_cpu_share_counts_waiting_for_a_core_not_waiting_for_peers():
+    import subprocess
+    import sys
+    torch.set_num_threads(1)
+    sleeping = _timed_step(StepProbe("cpu"), {"forward": 0.03, "backward": 0.03})
+    assert sleeping["compute_cpu_share"] > 0.9      # blocked (like a collective): not contention
+    core = {min(os.sched_getaffinity(0))}
+    mine = os.sched_getaffinity(0)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        os.sched_setaffinity(0, core)                # three spinning threads on one core
+        for p in spinners:
+            os.sched_setaffinity(p.pid, core)
+        time.sleep(0.2)
+        shared = _spinning_step()
+    finally:
+        os.sched_setaffinity(0, mine)
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert shared["compute_cpu_share"] < 0.7, shared["compute_cpu_share"]
 
 
 def test_peak_memory_on_cpu_is_the_resident_high_water_mark():

@@ -1,7 +1,8 @@
 """Training strategies, one module each, all with the same entry point.
 
-``run(cfg, ctx, model_fn=None, data_fn=None) -> {"records": [...], "params": ..., "notes": [...]}``
-runs inside one rank process; ``run_rank`` is what the launcher and torchrun call.
+``run(cfg, ctx, fns) -> {"records": [...], "params": ..., "notes": [...]}`` runs inside one rank
+process (``fns``: the user's ``labkit.factories.Factories``, or labkit's own pieces);
+``run_rank`` is what the launcher and torchrun call.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib
 
 from ..config import STRATEGY_RANKS, RunConfig
 from ..dist import RankContext
+from ..factories import Factories
 
 # strategy name -> module in this package
 _MODULES = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp_naive": "ddp_naive",
@@ -24,6 +26,6 @@ def get(name: str):
     return importlib.import_module(f"{__name__}.{_MODULES[name]}")
 
 
-def run_rank(ctx: RankContext, cfg: RunConfig, model_fn=None, data_fn=None) -> dict:
+def run_rank(ctx: RankContext, cfg: RunConfig, fns: Factories | None = None) -> dict:
     """One rank of ``cfg.strategy``: what ``labkit.launch`` runs on every rank."""
-    return get(cfg.strategy).run(cfg, ctx, model_fn=model_fn, data_fn=data_fn)
+    return get(cfg.strategy).run(cfg, ctx, fns or Factories())

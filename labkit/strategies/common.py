@@ -14,13 +14,12 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
-from ..data import batches, make_dataset, shard_loader
+from ..data import batches, shard_loader
 from ..dist import RankContext
-from ..models import make_model
+from ..factories import Factories
 from ..probes import StepProbe, sync
 
-ModelFn = Callable[[RunConfig], nn.Module]
-DataFn = Callable[[RunConfig], torch.utils.data.Dataset]
+DATA_PARALLEL = ("ddp", "ddp_naive")        # strategies that may synchronise batch statistics
 
 
 def set_check_mode(cfg: RunConfig) -> None:
@@ -34,41 +33,61 @@ def set_check_mode(cfg: RunConfig) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def build_model(cfg: RunConfig, ctx: RankContext, model_fn: ModelFn | None = None) -> nn.Module:
+def build_model(cfg: RunConfig, ctx: RankContext, fns: Factories) -> nn.Module:
     """The same initial weights on every rank and every strategy: seed, build, move."""
     set_check_mode(cfg)
-    torch.manual_seed(cfg.seed)
-    model = model_fn(cfg) if model_fn is not None else make_model(cfg)
+    model = fns.model(cfg)
+    if cfg.sync_batchnorm and cfg.strategy in DATA_PARALLEL and ctx.world_size > 1:
+        from ..syncbn import convert_sync_batchnorm
+        model = convert_sync_batchnorm(model, ctx.device.type)
     return model.to(ctx.device)
 
 
-def data_iter(cfg: RunConfig, data_fn: DataFn | None, rank: int, world_size: int,
-              batch_size: int):
+def data_iter(cfg: RunConfig, fns: Factories, rank: int, world_size: int, batch_size: int,
+              dataset=None):
     """This rank's endless batches, and its loader (for a side batch that leaves the order be)."""
-    dataset = data_fn(cfg) if data_fn is not None else make_dataset(cfg)
+    dataset = fns.dataset(cfg) if dataset is None else dataset
     loader = shard_loader(dataset, batch_size, rank, world_size, seed=cfg.seed)
     return batches(loader), loader
 
 
+def seed_rank_streams(cfg: RunConfig, ctx: RankContext) -> None:
+    """After everything is built from the shared seed, give each rank its own random stream:
+    dropout masks and augmentations must differ between ranks (identical masks would repeat one
+    sample of noise on every rank instead of drawing world_size of them)."""
+    torch.manual_seed(cfg.seed + ctx.rank)
+
+
+def final_state(cfg: RunConfig, module: nn.Module) -> dict | None:
+    """Parameters and buffers (running statistics too) to compare in check mode, else None."""
+    if not cfg.deterministic:
+        return None
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
 def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterator, *,
-               strategy: str, sync_grads: Callable[[], None] | None = None,
-               calibrate: Callable[[], float] | None = None, comm_bytes: int = 0,
-               params: Callable[[], dict] | None = None, notes: list[str] | None = None) -> dict:
+               strategy: str, fns: Factories, sync_grads: Callable[[], None] | None = None,
+               calibrate: Callable[[nn.Module], float] | None = None, comm_bytes: int = 0,
+               unwrapped: nn.Module | None = None, notes: list[str] | None = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     ``sync_grads`` runs between backward and the optimizer (hand-written all-reduce);
-    ``calibrate`` runs once after warm-up and returns the backward time with communication off,
-    so the probe can split DDP's overlapped backward into compute and exposed communication.
+    ``calibrate(loss_fn)`` runs once after warm-up and returns the backward time with
+    communication off, so the probe can split DDP's overlapped backward into compute and
+    exposed communication. ``unwrapped``: the plain model inside a wrapper (its state names are
+    the ones ``single`` has).
     """
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()     # mean over the local batch; ranks then average grads
+    loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
+    optimizer = fns.optimizer(cfg, model.parameters())
+    seed_rank_streams(cfg, ctx)
     probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
                       device=str(ctx.device), global_batch=cfg.global_batch)
     comm_baseline_s, records, total = None, [], cfg.warmup + cfg.steps
     progress = Progress(ctx, total)
     for i in range(total):
         if i == cfg.warmup and calibrate is not None:
-            comm_baseline_s = calibrate()
+            comm_baseline_s = calibrate(loss_fn)
         probe.start()
         x, y = next(data)
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
@@ -87,26 +106,32 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                            comm_bytes=comm_bytes)
         if i >= cfg.warmup:
             records.append(rec)
-        progress(i + 1, rec["loss"])
-    final = params() if params is not None else dict(model.named_parameters())
+        progress(i + 1, rec["shard_loss"], len(x))
     return {"records": records, "notes": notes or [],
-            "params": {k: v.detach().cpu().clone() for k, v in final.items()}
-            if cfg.deterministic else None}
+            "params": final_state(cfg, unwrapped if unwrapped is not None else model)}
 
 
 class Progress:
-    """``ctx.report(step, total, loss)`` about 10 times a second and on the last step.
+    """``ctx.report(...)`` about 10 times a second and on the last step.
 
     Each message wakes the caller's process, which on a small machine shares a core with a
     rank (measured: up to 1.5 ms a message), so a training loop must not report every step.
+    A message carries this rank's (step, shard loss, samples) for every step since the last
+    one, so the caller can combine ranks into the global-batch loss of any step
+    (``experiment.LiveLoss``) without a collective in the training loop.
     """
 
     def __init__(self, ctx: RankContext, total: int, every_s: float = 0.1):
         self.ctx, self.total, self.every_s, self.last = ctx, total, every_s, 0.0
+        self.pending: list[tuple[int, float, int]] = []
 
-    def __call__(self, step: int, loss: float) -> None:
+    def __call__(self, step: int, shard_loss: float | None, samples: int = 0) -> None:
+        loss = float("nan") if shard_loss is None else float(shard_loss)
+        self.pending.append((step, loss, samples))
         if time.perf_counter() - self.last > self.every_s or step == self.total:
-            self.ctx.report(step=step, total=self.total, loss=loss)
+            self.ctx.report(step=step, total=self.total, loss=loss, samples=samples,
+                            losses=self.pending)
+            self.pending = []
             self.last = time.perf_counter()
 
 

@@ -7,24 +7,23 @@ update equals single-device training on the whole global batch.
 """
 from __future__ import annotations
 
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import RunConfig
 from ..dist import RankContext
+from ..factories import Factories
 from ..probes import grad_bytes
 from .common import backward_time_without_comm, build_model, data_iter, train_loop
 
 
-def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
-    model = build_model(cfg, ctx, model_fn)
+def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
+    model = build_model(cfg, ctx, fns)
     ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    data, loader = data_iter(cfg, data_fn, rank=ctx.rank, world_size=ctx.world_size,
+    data, loader = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                              batch_size=cfg.global_batch // ctx.world_size)
 
-    def calibrate() -> float:              # a side batch: the training order stays untouched
-        return backward_time_without_comm(ddp_model, nn.CrossEntropyLoss(), next(iter(loader)),
-                                          ctx.device)
+    def calibrate(loss_fn) -> float:       # a side batch: the training order stays untouched
+        return backward_time_without_comm(ddp_model, loss_fn, next(iter(loader)), ctx.device)
 
-    return train_loop(cfg, ctx, ddp_model, data, strategy="ddp", calibrate=calibrate,
-                      comm_bytes=grad_bytes(model), params=lambda: dict(model.named_parameters()))
+    return train_loop(cfg, ctx, ddp_model, data, strategy="ddp", fns=fns, calibrate=calibrate,
+                      comm_bytes=grad_bytes(model), unwrapped=model)

@@ -10,15 +10,16 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from ..dist import RankContext
+from ..factories import Factories
 from ..probes import grad_bytes
 from .common import build_model, data_iter, train_loop
 
 
-def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
-    model = build_model(cfg, ctx, model_fn)
+def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
+    model = build_model(cfg, ctx, fns)
     for p in model.parameters():
         dist.broadcast(p.data, src=0)
-    data, _ = data_iter(cfg, data_fn, rank=ctx.rank, world_size=ctx.world_size,
+    data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                         batch_size=cfg.global_batch // ctx.world_size)
 
     def sync_grads() -> None:
@@ -27,5 +28,5 @@ def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad /= ctx.world_size
 
-    return train_loop(cfg, ctx, model, data, strategy="ddp_naive", sync_grads=sync_grads,
+    return train_loop(cfg, ctx, model, data, strategy="ddp_naive", fns=fns, sync_grads=sync_grads,
                       comm_bytes=grad_bytes(model))

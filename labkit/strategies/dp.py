@@ -12,11 +12,12 @@ from torch import nn
 
 from ..config import RunConfig
 from ..dist import RankContext
+from ..factories import Factories
 from .common import build_model, data_iter, train_loop
 
 
-def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
-    model = build_model(cfg, ctx, model_fn)
+def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
+    model = build_model(cfg, ctx, fns)
     gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
     notes = []
     if gpus == 0:
@@ -29,6 +30,6 @@ def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
         if used < cfg.world_size:
             notes.append(f"world_size={cfg.world_size} but only {gpus} GPU(s): DataParallel uses {used}.")
         dp_model = nn.DataParallel(model, device_ids=list(range(used)))
-    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.global_batch)
-    return train_loop(cfg, ctx, dp_model, data, strategy="dp", notes=notes,
-                      params=lambda: dict(model.named_parameters()))
+    data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.global_batch)
+    return train_loop(cfg, ctx, dp_model, data, strategy="dp", fns=fns, notes=notes,
+                      unwrapped=model)

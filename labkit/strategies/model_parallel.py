@@ -14,20 +14,21 @@ from torch import nn
 
 from ..config import RunConfig
 from ..dist import RankContext
+from ..factories import Factories
 from ..models import even_bounds, split
 from . import pipeline
 from .common import build_model, data_iter, train_loop
 
 
-def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
+def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     cfg = cfg.replace(microbatches=1, pipeline_impl="scratch")
     if ctx.world_size == 1 and cfg.stages > 1:
         if torch.cuda.device_count() < cfg.stages:
             raise ValueError(f"model_parallel in one process needs {cfg.stages} GPUs, found "
                              f"{torch.cuda.device_count()}: launch {cfg.stages} ranks instead "
                              f"(world_size == stages) to run the stages as CPU processes")
-        return run_one_process(cfg, ctx, model_fn, data_fn)
-    return pipeline.run(cfg, ctx, model_fn, data_fn)
+        return run_one_process(cfg, ctx, fns)
+    return pipeline.run(cfg, ctx, fns)
 
 
 class SplitModel(nn.Module):
@@ -48,11 +49,11 @@ class SplitModel(nn.Module):
         return x.to(self.out_device)
 
 
-def run_one_process(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
+def run_one_process(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     """The single-process split (untested here: this machine has no GPU)."""
-    model = build_model(cfg, ctx, model_fn)
+    model = build_model(cfg, ctx, fns)
     split_model = SplitModel(model, even_bounds(len(model), cfg.stages), ctx.device)
-    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.global_batch)
-    return train_loop(cfg, ctx, split_model, data, strategy="model_parallel",
-                      params=lambda: dict(model.named_parameters()),
+    data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.global_batch)
+    return train_loop(cfg, ctx, split_model, data, strategy="model_parallel", fns=fns,
+                      unwrapped=model,
                       notes=[f"one process, stages on cuda:0..{cfg.stages - 1}"])

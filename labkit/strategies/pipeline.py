@@ -16,59 +16,58 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import timeline
 from ..config import RunConfig
-from ..dist import RankContext
+from ..dist import RankContext, clock_offset
+from ..factories import Factories
 from .stages import ActivationMeter, EventLog, Stage, StepOut, make_stage, train_stages
 
 _SCHEDULES = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "model_parallel": "model_parallel"}
 
 
-def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
+def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     schedule = _SCHEDULES[cfg.strategy]
-    stage = make_stage(cfg, ctx, model_fn, data_fn)
-    optimizer = torch.optim.SGD(stage.module.parameters(), lr=cfg.lr, momentum=0.9)
+    stage = make_stage(cfg, ctx, fns)
+    optimizer = fns.optimizer(cfg, stage.module.parameters())
+    loss_fn = fns.loss(cfg)
     meter = ActivationMeter(stage.module)
+    log = EventLog(stage.index, ctx.device, clock_offset(ctx))
     notes = [f"stage {stage.index} holds blocks {stage.bounds[stage.index]}.."
              f"{(stage.bounds + [None])[stage.index + 1] or 'end'} (bounds {stage.bounds}"
              f"{', balanced by measured cost' if cfg.balance else ', equal layer counts'})"]
     if cfg.pipeline_impl == "torch":    # model_parallel.run has already set "scratch"
-        step_fn = torch_schedule(cfg, ctx, stage, meter, schedule)
+        step_fn = torch_schedule(cfg, ctx, stage, meter, log, schedule, loss_fn)
         notes.append("torch impl: events time the stage's forward_one_chunk/backward_one_chunk "
                      "calls inside torch.distributed.pipelining's schedule (compute only; its "
                      "send/recv waits fall between them)")
     else:
-        step_fn = scratch_schedule(cfg, ctx, stage, meter, schedule)
-    return train_stages(cfg, ctx, stage, step_fn, optimizer=optimizer, meter=meter,
-                        data_fn=data_fn, schedule=schedule, impl=cfg.pipeline_impl,
-                        notes=notes)
+        step_fn = scratch_schedule(cfg, ctx, stage, meter, log, schedule, loss_fn)
+    return train_stages(cfg, ctx, stage, step_fn, optimizer=optimizer, meter=meter, log=log,
+                        schedule=schedule, impl=cfg.pipeline_impl, notes=notes)
 
 
 def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: ActivationMeter,
-                     schedule: str):
+                     log: EventLog, schedule: str, loss_fn):
     """A step function running ``schedule`` with blocking recv and asynchronous sends.
 
     Sends never block (``isend``; we wait for them at the end of the step), so a stage only
     ever waits for data it needs: that is what makes 1F1B's interleaving deadlock-free. Ranks
     are stage indices; messages between a pair of ranks arrive in the order they were sent.
     """
-    M, loss_fn = cfg.microbatches, nn.CrossEntropyLoss()
+    M = cfg.microbatches
     actions = timeline.stage_actions(schedule, cfg.stages, M, stage.index)
     prev, nxt = stage.index - 1, stage.index + 1
-    log = EventLog(stage.index, ctx.device)
 
     def recv(like: torch.Tensor, src: int) -> torch.Tensor:
         buf = torch.empty(like.shape, dtype=like.dtype, device=ctx.device)
         dist.recv(buf, src=src)
         return buf
 
-    def step(x, y, t0: float) -> StepOut:
+    def step(x, y) -> StepOut:
         xs = x.chunk(M) if stage.first else None
         ys = y.chunk(M) if stage.last else None
         held, sends, losses = {}, [], []
-        log.begin(t0)
         for kind, m in actions:
             if kind == "F":
                 inp = xs[m] if stage.first else recv(stage.inp, prev).requires_grad_()
@@ -97,7 +96,7 @@ def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Acti
 
 
 def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: ActivationMeter,
-                   schedule: str):
+                   log: EventLog, schedule: str, loss_fn):
     """A step function driving ``torch.distributed.pipelining`` on this rank's stage.
 
     The library gives no per-micro-batch timings, so we wrap this stage object's own
@@ -108,9 +107,8 @@ def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Activa
 
     pstage = PipelineStage(stage.module, stage.index, cfg.stages, ctx.device)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    # CrossEntropyLoss is a mean per micro-batch; scale_grads=True divides gradients by M.
-    sched = cls(pstage, cfg.microbatches, loss_fn=nn.CrossEntropyLoss(), scale_grads=True)
-    log = EventLog(stage.index, ctx.device)
+    # the loss is a mean per micro-batch; scale_grads=True divides gradients by M.
+    sched = cls(pstage, cfg.microbatches, loss_fn=loss_fn, scale_grads=True)
     forward_one_chunk, backward_one_chunk = pstage.forward_one_chunk, pstage.backward_one_chunk
 
     def timed_forward(chunk_id, *args, **kwargs):
@@ -125,8 +123,7 @@ def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Activa
 
     pstage.forward_one_chunk, pstage.backward_one_chunk = timed_forward, timed_backward
 
-    def step(x, y, t0: float) -> StepOut:
-        log.begin(t0)
+    def step(x, y) -> StepOut:
         losses: list[torch.Tensor] = []
         args = (x,) if stage.first else ()
         kwargs = {"target": y, "losses": losses} if stage.last else {}

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..dist import RankContext
+from ..factories import Factories
 from .common import build_model, data_iter, train_loop
 
 
-def run(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> dict:
-    model = build_model(cfg, ctx, model_fn)
-    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.global_batch)
-    return train_loop(cfg, ctx, model, data, strategy="single")
+def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
+    model = build_model(cfg, ctx, fns)
+    data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.global_batch)
+    return train_loop(cfg, ctx, model, data, strategy="single", fns=fns)

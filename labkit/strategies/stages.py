@@ -4,6 +4,9 @@ Every rank builds the *whole* model from the seed (so its stage starts from exac
 ``single`` has), agrees on where to cut it, keeps its own stage and iterates the same global
 batches as ``single``. ``train_stages`` runs warm-up and measured steps around a schedule
 function and turns what it returns into records; the schedules themselves live in pipeline.py.
+Event times are read from ``perf_counter``, one monotonic clock for every process on a machine
+(plus the offset to rank 0's clock across machines, ``dist.clock_offset``); ``experiment.finalize`` puts every rank's events of a
+step on one origin and computes the bubble, measured and predicted.
 """
 from __future__ import annotations
 
@@ -18,10 +21,13 @@ from torch import nn
 
 from .. import timeline
 from ..config import RunConfig
+from torch.utils.data import default_collate
+
 from ..dist import RankContext
-from ..models import even_bounds, split, stage_param_names
-from ..probes import peak_memory, sync
-from .common import Progress, build_model, data_iter
+from ..factories import Factories
+from ..models import even_bounds, split, stage_state_names
+from ..probes import RunQueueClock, cpu_seconds, peak_memory, sync
+from .common import Progress, build_model, data_iter, final_state, seed_rank_streams
 
 
 @dataclass
@@ -32,9 +38,10 @@ class Stage:
     stages: int
     bounds: list[int]
     module: nn.Sequential
-    names: dict[str, str]               # local parameter name -> whole-model name
+    names: dict[str, str]               # local parameter/buffer name -> whole-model name
     inp: torch.Tensor                   # meta tensors: one micro-batch's input and output,
     out: torch.Tensor                   # the shapes and dtypes every recv allocates
+    dataset: torch.utils.data.Dataset   # built once (data_fn is called once per rank per run)
 
     @property
     def first(self) -> bool:
@@ -45,18 +52,19 @@ class Stage:
         return self.index == self.stages - 1
 
 
-def make_stage(cfg: RunConfig, ctx: RankContext, model_fn=None, data_fn=None) -> Stage:
+def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories) -> Stage:
     """Build the whole model (seeded), agree on the cut, keep stage ``ctx.rank`` on ctx.device."""
-    model = build_model(cfg, ctx, model_fn)
-    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.batch_per_rank)
-    x, _ = next(data)                   # one micro-batch: the real shapes every boundary sees
+    model = build_model(cfg, ctx, fns)
+    dataset = fns.dataset(cfg)
+    # one micro-batch of real samples: the shapes every boundary sees
+    x, _ = default_collate([dataset[i] for i in range(cfg.batch_per_rank)])
     x = x.to(ctx.device)
     bounds = stage_bounds(cfg, ctx, model, x)
     shapes = boundary_shapes(model, x)
     s, ends = ctx.rank, bounds[1:] + [len(model)]
     module = split(model, bounds)[s]
-    return Stage(s, cfg.stages, bounds, module, stage_param_names(bounds, s, module),
-                 shapes[bounds[s]], shapes[ends[s]])
+    return Stage(s, cfg.stages, bounds, module, stage_state_names(bounds, s, module),
+                 shapes[bounds[s]], shapes[ends[s]], dataset)
 
 
 def stage_bounds(cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor) -> list[int]:
@@ -117,26 +125,29 @@ class ActivationMeter:
 
 
 class EventLog:
-    """This stage's F/B events of one step, in seconds from the agreed step start, plus the CPU
-    time its thread got while computing them (on CPU: a share below 1 means the rank was
-    descheduled mid-compute, i.e. the stages were not really running in parallel)."""
+    """This stage's F/B events of one step on the shared clock (``perf_counter`` plus this
+    machine's offset to rank 0), plus the CPU time its thread got while computing them (on CPU:
+    a share below 1 means the rank was descheduled mid-compute, i.e. the stages were not really
+    running in parallel)."""
 
-    def __init__(self, stage: int, device: torch.device):
-        self.stage, self.device = stage, device
+    def __init__(self, stage: int, device: torch.device, offset_s: float = 0.0):
+        self.stage, self.device, self.offset_s = stage, device, offset_s
         self.events: list[dict] = []
-        self.cpu_s, self.t0 = 0.0, 0.0
+        self.cpu_s = 0.0
+        self.threads = torch.get_num_threads()
 
-    def begin(self, t0: float) -> None:
-        self.events, self.cpu_s, self.t0 = [], 0.0, t0
+    def begin(self) -> None:
+        self.events, self.cpu_s = [], 0.0
 
     @contextmanager
     def time(self, kind: str, microbatch: int):
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu = time.perf_counter(), cpu_seconds(self.threads)
         yield
         sync(self.device)                # GPU kernels are asynchronous: wait before reading
-        self.cpu_s += time.thread_time() - cpu
+        self.cpu_s += cpu_seconds(self.threads) - cpu
         self.events.append({"stage": self.stage, "microbatch": int(microbatch), "kind": kind,
-                            "start": start - self.t0, "end": time.perf_counter() - self.t0})
+                            "start": start + self.offset_s,
+                            "end": time.perf_counter() + self.offset_s})
 
 
 @dataclass
@@ -148,26 +159,28 @@ class StepOut:
     notes: list[str] = field(default_factory=list)
 
 
-# step_fn(x, y, t0): the global batch's inputs (first stage, else None), targets (last stage,
-# else None) and the agreed step start; it runs forward and backward, leaving gradients.
-Schedule = Callable[[torch.Tensor | None, torch.Tensor | None, float], StepOut]
+# step_fn(x, y): the global batch's inputs (first stage, else None) and targets (last stage,
+# else None); it runs forward and backward, leaving gradients.
+Schedule = Callable[[torch.Tensor | None, torch.Tensor | None], StepOut]
 
 
 def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedule, *,
-                 optimizer: torch.optim.Optimizer, meter: ActivationMeter, data_fn=None,
+                 optimizer: torch.optim.Optimizer, meter: ActivationMeter, log: EventLog,
                  schedule: str, impl: str, notes: list[str]) -> dict:
     """Warm up, then run ``cfg.steps`` measured steps of ``step_fn``; return this rank's result.
 
-    Each step: fetch the global batch (data), meet every rank at
-    a barrier and read ``perf_counter`` (the agreed step start: one machine, one monotonic
-    clock), run the schedule, step the optimizer. The bubble needs every stage's events, so it
-    is filled in after the last step from one all_gather rather than a collective per step.
+    Each step: fetch the global batch (data), meet every rank at a barrier and read the shared
+    clock (this rank's step start), run the schedule, step the optimizer.
     """
-    data, _ = data_iter(cfg, data_fn, rank=0, world_size=1, batch_size=cfg.global_batch)
+    data, _ = data_iter(cfg, Factories(), rank=0, world_size=1, batch_size=cfg.global_batch,
+                        dataset=stage.dataset)
+    seed_rank_streams(cfg, ctx)
     total, records = cfg.warmup + cfg.steps, []
-    progress = Progress(ctx, total)
+    progress = Progress(ctx, cfg.steps)
+    sched = RunQueueClock(all_threads=log.threads > 1)
     for i in range(total):
         meter.reset()
+        sched0 = sched.read()
         t_start = time.perf_counter()
         x, y = next(data)               # every stage draws it, so all stay on single's order
         x = x.to(ctx.device) if stage.first else None
@@ -176,40 +189,45 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
         if ctx.distributed:
             dist.barrier()
         t0 = time.perf_counter()
-        out = step_fn(x, y, t0)
+        log.begin()
+        out = step_fn(x, y)
         t_sched = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         if i < cfg.warmup:
-            progress(i + 1, out.loss if out.loss is not None else float("nan"))
-            continue
+            continue                    # progress counts measured steps only
         events = list(out.log.events)
         fwd = sum(e["end"] - e["start"] for e in events if e["kind"] == "F")
         bwd = sum(e["end"] - e["start"] for e in events if e["kind"] == "B")
-        cpu_share = out.log.cpu_s / (fwd + bwd) if ctx.device.type == "cpu" else float("nan")
+        cpu_share = sched.share(sched0, sched.read())
+        if cpu_share is None:           # no schedstat: the thread's CPU time while computing
+            cpu_share = out.log.cpu_s / (fwd + bwd) if ctx.device.type == "cpu" else float("nan")
         step_s, data_s, opt_s = t_end - t_start, t_data - t_start, t_end - t_sched
         records.append({
             "strategy": cfg.strategy, "world_size": cfg.world_size, "rank": ctx.rank,
             "device": str(ctx.device), "global_batch": cfg.global_batch, "step": i - cfg.warmup,
-            "loss": out.loss if out.loss is not None else float("nan"),
+            "threads": log.threads,
+            # the global batch's loss lives on the last stage; the others have none
+            "shard_loss": out.loss if out.loss is not None else float("nan"),
             "samples": cfg.global_batch, "data_s": data_s, "forward_s": fwd, "backward_s": bwd,
             # barrier, recv waits, send completion and schedule bookkeeping: the rest of the step
-            "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s), "optimizer_s": opt_s,
-            "step_s": step_s, "peak_mem_bytes": peak_memory(ctx.device),
+            "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s), "sync_overhead_s": 0.0,
+            "optimizer_s": opt_s, "step_s": step_s, "start_s": t0 + log.offset_s,
+            "peak_mem_bytes": peak_memory(ctx.device),
             "comm_bytes": _comm_bytes(stage, cfg.microbatches),
             "stage": stage.index, "microbatches": cfg.microbatches, "schedule": schedule,
             "impl": impl, "activations_peak": meter.peak_count,
             "activation_bytes_peak": meter.peak_bytes, "compute_cpu_share": cpu_share,
             "events": events})
         notes.extend(n for n in out.notes if n not in notes)
-        progress(i + 1, records[-1]["loss"])
-    _fill_bubbles(ctx, records)
-    params = None
-    if cfg.deterministic:
-        params = {stage.names[k]: v.detach().cpu().clone()
-                  for k, v in stage.module.named_parameters()}
-    return {"records": records, "notes": notes, "params": params}
+        progress(i + 1 - cfg.warmup, out.loss, cfg.global_batch if stage.last else 0)
+    return {"records": records, "notes": notes,
+            "params": _whole_names(stage, final_state(cfg, stage.module))}
+
+
+def _whole_names(stage: Stage, state: dict | None) -> dict | None:
+    return None if state is None else {stage.names[k]: v for k, v in state.items()}
 
 
 def _comm_bytes(stage: Stage, microbatches: int) -> int:
@@ -217,21 +235,3 @@ def _comm_bytes(stage: Stage, microbatches: int) -> int:
     out = 0 if stage.last else stage.out.numel() * stage.out.element_size()
     inp = 0 if stage.first else stage.inp.numel() * stage.inp.element_size()
     return microbatches * (out + inp)
-
-
-def _fill_bubbles(ctx: RankContext, records: list[dict]) -> None:
-    """Bubble = idle share of the pipeline's span (first event anywhere to last event anywhere),
-    and the last stage's loss copied to every stage's record."""
-    mine = [(min(e["start"] for e in r["events"]), max(e["end"] for e in r["events"]), r["loss"])
-            for r in records]
-    every = [mine]
-    if ctx.distributed:
-        every = [None] * ctx.world_size
-        dist.all_gather_object(every, mine)
-    for k, rec in enumerate(records):
-        lo = min(per_rank[k][0] for per_rank in every)
-        hi = max(per_rank[k][1] for per_rank in every)
-        busy = rec["forward_s"] + rec["backward_s"]
-        rec["span_s"] = hi - lo
-        rec["bubble_fraction"] = max(0.0, 1.0 - busy / (hi - lo)) if hi > lo else 0.0
-        rec["loss"] = every[-1][k][2]

@@ -1,0 +1,11 @@
+"""One place for prediction: every lab asks this package what theory or a cost model expects,
+and shows it beside what was measured.
+
+``schedule``: an event simulation of pipeline schedules (naive, GPipe, 1F1B) from per-stage
+forward/backward costs and per-boundary hand-off times: the predicted timeline, step time and
+bubble. The communication lab's step-time predictor builds on it.
+"""
+from .schedule import (ScheduleCosts, bubble_per_stage, costs_from_steps, predict_step,
+                       simulate, stage_actions)
+
+__all__ = ["ScheduleCosts", "bubble_per_stage", "costs_from_steps", "predict_step", "simulate", "stage_actions"]
