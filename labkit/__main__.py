@@ -62,7 +62,7 @@ def cmd_compare(args) -> int:
     base = config_from_args(args, strategy="single", world_size=1)
     configs = experiment.grid(base, _csv(args.strategies), _csv(args.world_sizes, int))
     print(f"running {len(configs)} configurations: "
-          + ", ".join(f"{c.strategy}@{c.world_size}" for c in configs), flush=True)
+          + ", ".join(experiment.config_label(c) for c in configs), flush=True)
     with _Progress() as progress:
         records = experiment.compare(configs, on_progress=progress.update)
     table = experiment.summarize(records)
@@ -70,6 +70,8 @@ def cmd_compare(args) -> int:
     for key, notes in records.attrs.get("notes", {}).items():
         for note in notes:
             print(f"note ({key}): {note}")
+    from .report import explain
+    print("\n== what the table says\n" + explain(table))
     if args.json:
         experiment.save_records(records, args.json, config=base.to_dict(),
                                 summary=json.loads(table.to_json(orient="records")))
@@ -123,16 +125,19 @@ class _Progress:
 
     def update(self, cfg, rank, metrics) -> None:
         from tqdm.auto import tqdm
-        if rank != 0:
-            return
-        key = (cfg.strategy, cfg.world_size)
+
+        from .experiment import LiveLoss
+        key = cfg
         if key != self.key:
             self._close()
-            self.key = key
+            self.key, self.loss = key, LiveLoss(cfg.ranks)
             self.bar = tqdm(total=metrics["total"], desc=f"{cfg.strategy}@{cfg.world_size}",
                             leave=False, disable=None)
-        self.bar.update(metrics["step"] - self.bar.n)
-        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        latest = self.loss.update(rank, metrics)     # the global batch's loss, once all ranks
+        if rank == cfg.ranks - 1:                    # reported a step (pipelines: last stage)
+            self.bar.update(metrics["step"] - self.bar.n)
+        if latest is not None:
+            self.bar.set_postfix(loss=f"{latest[1]:.3f}", refresh=False)
 
     def _close(self):
         if self.bar is not None:
@@ -143,12 +148,8 @@ class _Progress:
 
 
 def _print_table(table) -> None:
-    cols = {"strategy": "strategy", "world_size": "world", "samples_per_s": "samples/s",
-            "step_ms": "step ms (max rank)", "comm_share": "exposed comm",
-            "speedup": "speed-up", "efficiency": "efficiency", "bubble_fraction": "bubble",
-            "final_loss": "loss"}
-    shown = table[[c for c in cols if c in table]].rename(columns=cols)
-    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    from .report import format_table
+    print(format_table(table))
     if "oversubscribed" in table and table["oversubscribed"].any():
         print("! rows with more CPU ranks than cores are time-shared: their speed-up is not "
               "parallelism")

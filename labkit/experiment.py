@@ -227,6 +227,12 @@ def run_label(strategy: str, world_size: int, threads) -> str:
     return f"{strategy}@{world_size}"
 
 
+def config_label(cfg: RunConfig) -> str:
+    """``run_label`` of a config before it runs (threads resolved as ``run`` will)."""
+    kind = resolve_device(cfg.device, cfg.ranks)
+    return run_label(cfg.strategy, cfg.world_size, cfg.threads or _threads_for(cfg, kind))
+
+
 def _runs(records: pd.DataFrame):
     keys = ["strategy", "world_size"] + (["threads"] if "threads" in records else [])
     return records.groupby(keys, sort=False)

@@ -1,0 +1,110 @@
+"""Tables and sentences for people: what ``experiment.summarize`` measured, formatted and read.
+
+The CLI, the demo, the notebooks and the panels all print through here, so a number means the
+same thing, with the same name, everywhere.
+"""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from .experiment import BUSY_SHARE
+
+
+def _num(v, fmt: str) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+
+def _times(v) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
+
+
+def _pct(v) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.0f}%"
+
+
+def people_table(table: pd.DataFrame) -> pd.DataFrame:
+    """``summarize``'s table with named units and sensible precision (strings, for display)."""
+    if table.empty:
+        return table
+    out = pd.DataFrame({"run": table["run"]})
+    out["samples/s"] = [_num(v, ",.0f") for v in table["samples_per_s"]]
+    out["step ms (median, slowest rank)"] = [_num(v, ".1f") for v in table["step_ms"]]
+    out["exposed comm"] = [f"{_num(ms, '.1f')} ms ({_pct(sh)})"
+                           for ms, sh in zip(table["comm_ms"], table["comm_share"])]
+    out["vs single, all cores"] = [_times(v) for v in table["speedup_all_cores"]]
+    out["vs single, same cores"] = [_times(v) for v in table["speedup_same_cores"]]
+    out["efficiency"] = [_pct(v) for v in table["efficiency"]]
+    if "bubble_fraction" in table:
+        for col, name in (("bubble_fraction", "bubble"), ("bubble_predicted", "predicted"),
+                          ("bubble_theory", "(P-1)/(M+P-1)")):
+            out[name] = [_num(v, ".2f") for v in table[col]]
+    out["loss (global batch)"] = [_num(v, ".4f") for v in table["loss"]]
+    if "cpu_share" in table:
+        out["CPU share"] = [_pct(v) for v in table["cpu_share"]]
+    out["flag"] = [", ".join(f for f, on in (("busy", row.get("busy", False)),
+                                              ("oversubscribed", row.get("oversubscribed", False)))
+                             if on) for _, row in table.iterrows()]
+    if not out["flag"].any():
+        out = out.drop(columns="flag")
+    return out
+
+
+def format_table(table: pd.DataFrame) -> str:
+    """``people_table`` as text for a terminal."""
+    return people_table(table).to_string(index=False)
+
+
+def busy_note(table: pd.DataFrame) -> str | None:
+    """A sentence naming the rows whose ranks did not get their cores, or None."""
+    if "busy" not in table or not table["busy"].any():
+        return None
+    rows = table[table["busy"]]
+    worst = rows["cpu_share"].min()
+    return (f"! the machine was busy during {', '.join(rows['run'])}: a rank got only "
+            f"{_pct(worst)} of a core while it wanted one (labkit flags below "
+            f"{_pct(BUSY_SHARE)}). Another program was using the cores, so these rows' times and "
+            f"speed-ups measure that program, not the strategy, and are not comparable: close it "
+            f"and run again.")
+
+
+def explain(table: pd.DataFrame) -> str:
+    """A plain-language reading of a comparison: what is parallelism, what is exposed
+    communication, what the CPU does to it, and what would change it."""
+    lines = []
+    note = busy_note(table)
+    if note:
+        lines.append(note)
+    clean = table[~table.get("busy", pd.Series(False, index=table.index))]
+    slower = []
+    for _, row in clean[clean["world_size"] > 1].iterrows():
+        if not math.isnan(row.get("bubble_fraction", math.nan)):
+            lines.append(
+                f"{row['run']}: each stage idled {_pct(row['bubble_fraction'])} of the step; the "
+                f"schedule simulated on this run's measured stage times, hand-offs and dispatch "
+                f"predicted {_pct(row['bubble_predicted'])}, the closed form "
+                f"(P-1)/(M+P-1) {_pct(row['bubble_theory'])} (it counts hand-offs as free).")
+            continue
+        if math.isnan(row["speedup_same_cores"]):
+            continue
+        threads = int(row["threads"])
+        lines.append(
+            f"{row['run']}: {_times(row['speedup_same_cores'])} the throughput of single on one "
+            f"rank's share of the cores ({threads} thread{'s' if threads > 1 else ''}), a "
+            f"parallel efficiency of {_pct(row['efficiency'])}. Of its {row['step_ms']:.1f} ms "
+            f"median step, {row['comm_ms']:.1f} ms ({_pct(row['comm_share'])}) was exposed "
+            f"communication: gradient all-reduce that backward could not hide.")
+        if row["speedup_all_cores"] < 1:
+            slower.append(f"{row['run']} {_times(row['speedup_all_cores'])}")
+    if slower:
+        lines.append(
+            f"Against single on all cores: {', '.join(slower)}. CPU ranks split the cores and "
+            f"memory bandwidth that one process would use whole, then pay to synchronise a full "
+            f"copy of the model every step. Distributing pays off with more hardware per rank "
+            f"(GPUs, more machines), more compute per byte exchanged (a larger global batch or "
+            f"model), or fewer all-reduces per sample (gradient accumulation).")
+    if (table["world_size"] == 1).any() and (table["strategy"] != "single").any():
+        lines.append("World-size-1 rows talk to no one: the time DDP's reducer or a one-rank "
+                     "all-reduce took is shown as sync overhead, not communication.")
+    return "\n".join(lines)
