@@ -3,20 +3,18 @@
     python benchmarks/ddp_overhead.py [--steps 30] [--rounds 8] [--width 512] [--quick] [--json PATH]
 
 Both sides run through ``labkit.launch`` (so process start-up is identical, and not timed) and
-alternate round by round, so a noisy neighbour slows both. A step's time is the max over ranks
-(the slowest rank gates the step); each round compares the two sides' median step, and the ratio
-reported is the median of the per-round ratios: pairing rounds that ran seconds apart keeps load
-from other processes (which comes and goes over seconds) from landing on one side only. The
-pooled medians over all rounds are printed too. The last line is
-``labkit/raw step-time ratio: X.XX`` (goal <= 1.05).
+alternate round by round, so a noisy neighbour slows both.
 
-What is compared: labkit's ``step_s`` (its probe: data -> forward -> backward -> optimizer step
-+ zero_grad) against ``perf_counter`` around the same work plus ``loss.item()`` in the raw loop.
-labkit's DDP strategy also runs a calibration (5 backward passes under ``no_sync``) once, after
-warm-up and before its first measured step's ``probe.start()``: it is outside every ``step_s``.
-What ``step_s`` cannot see is labkit's per-step work between steps (``probe.finish`` building the
-record, ``ctx.report`` sending progress down a pipe); the "loop period" lines show it, timed in
-the parent from the progress messages' arrival.
+The headline is end to end: on each rank, the wall time from the first measured step's start to
+the last measured step's end on the same clock (``perf_counter``), so everything labkit does
+between steps (``probe.finish`` building the record, ``ctx.report`` sending progress) counts;
+the slowest rank's time per step is the side's figure for the round. Each round compares the two
+sides and the ratio reported is the median of the per-round ratios: pairing rounds that ran
+seconds apart keeps load from other processes (which comes and goes over seconds) from landing
+on one side only. The last line is ``labkit/raw step-time ratio: X.XX`` (goal <= 1.05).
+labkit's DDP strategy runs a calibration (5 backward passes under ``no_sync``) once, after
+warm-up and before its first measured step: it is outside the measured span. The median probed
+``step_s`` (which excludes the work between steps) is printed for comparison.
 """
 from __future__ import annotations
 
@@ -24,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import math
 import statistics
 import sys
 import time
@@ -45,7 +42,7 @@ WORLD_SIZE = 2
 GOAL_RATIO = 1.05
 
 
-def raw_ddp_rank(ctx, cfg: RunConfig) -> list[float]:
+def raw_ddp_rank(ctx, cfg: RunConfig) -> dict:
     """The hand-written baseline: DDP as the PyTorch tutorial writes it, timed per step."""
     torch.manual_seed(cfg.seed)
     model = DDP(make_model(cfg).to(ctx.device))
@@ -54,9 +51,11 @@ def raw_ddp_rank(ctx, cfg: RunConfig) -> list[float]:
     data = batches(loader)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    times = []
+    times, first_start = [], None
     for i in range(cfg.warmup + cfg.steps):
         t0 = time.perf_counter()
+        if i == cfg.warmup:
+            first_start = t0
         x, y = next(data)
         loss = loss_fn(model(x.to(ctx.device)), y.to(ctx.device))
         loss.backward()
@@ -65,34 +64,25 @@ def raw_ddp_rank(ctx, cfg: RunConfig) -> list[float]:
         loss.item()
         if i >= cfg.warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    return {"step_s": times, "wall_s": time.perf_counter() - first_start}
 
 
-def run_labkit(cfg: RunConfig) -> tuple[list[float], list[float]]:
-    """Per-step max-over-ranks ``step_s``, and the loop period seen from progress messages."""
-    arrivals: dict[int, dict[int, float]] = {r: {} for r in range(WORLD_SIZE)}
-
-    def on_progress(rank: int, metrics: dict) -> None:
-        arrivals[rank][metrics["step"]] = time.perf_counter()
-
+def run_labkit(cfg: RunConfig) -> tuple[list[float], float]:
+    """Per-step max-over-ranks ``step_s``, and the slowest rank's end-to-end wall per step."""
     results = labkit.launch(run_rank, WORLD_SIZE, args=(cfg,), device="cpu",
-                            timeout_s=cfg.timeout_s, on_progress=on_progress)
+                            timeout_s=cfg.timeout_s)
     per_rank = [[rec["step_s"] for rec in res["records"]] for res in results]
-    # Progress step k arrives after loop iteration k, about 10 times a second (not every step):
-    # the period is the time between two arrivals over the steps between them. The first
-    # measured gap also holds the calibration, so periods start one step later.
-    first = cfg.warmup + 2
-    periods = []
-    for r in range(WORLD_SIZE):
-        seen = sorted((k, t) for k, t in arrivals[r].items() if k >= first - 1)
-        periods += [(t1 - t0) / (k1 - k0) for (k0, t0), (k1, t1) in zip(seen, seen[1:])]
-    return _max_over_ranks(per_rank), periods
+    # start_s is each step's start on the shared clock; the last step ends step_s later
+    walls = [(r[-1]["start_s"] + r[-1]["step_s"] - r[0]["start_s"])
+             for r in (res["records"] for res in results)]
+    return _max_over_ranks(per_rank), max(walls) / cfg.steps
 
 
-def run_raw(cfg: RunConfig) -> list[float]:
+def run_raw(cfg: RunConfig) -> tuple[list[float], float]:
     results = labkit.launch(raw_ddp_rank, WORLD_SIZE, args=(cfg,), device="cpu",
                             timeout_s=cfg.timeout_s)
-    return _max_over_ranks(results)
+    return (_max_over_ranks([r["step_s"] for r in results]),
+            max(r["wall_s"] for r in results) / cfg.steps)
 
 
 def _max_over_ranks(per_rank: list[list[float]]) -> list[float]:
@@ -103,34 +93,27 @@ def measure(cfg: RunConfig, rounds: int) -> dict:
     """Alternate labkit and raw for ``rounds`` rounds (who goes first alternates too)."""
     labkit.launch(raw_ddp_rank, WORLD_SIZE, args=(cfg.replace(steps=1, warmup=0),),
                   device="cpu", timeout_s=cfg.timeout_s)   # start the forkserver, untimed
-    out = {"labkit": [], "raw": [], "labkit_period": [], "rounds": []}
+    out = {"labkit": [], "raw": [], "rounds": []}
     for i in range(rounds):
-        medians = {}
+        walls = {}
         for side in (("labkit", "raw") if i % 2 == 0 else ("raw", "labkit")):
-            if side == "labkit":
-                steps, periods = run_labkit(cfg)
-                out["labkit_period"] += periods
-            else:
-                steps = run_raw(cfg)
+            steps, walls[side] = run_labkit(cfg) if side == "labkit" else run_raw(cfg)
             out[side] += steps
-            medians[side] = statistics.median(steps)
-        out["rounds"].append(medians)
+        out["rounds"].append(walls)
     return out
 
 
 def summarise(measured: dict, probe_s: float) -> dict:
-    # a run shorter than the ~0.1 s progress interval reports only its last step: no period
-    med = {k: statistics.median(measured[k]) if measured[k] else math.nan
-           for k in ("labkit", "raw", "labkit_period")}
+    med = {k: statistics.median(measured[k]) for k in ("labkit", "raw")}
+    wall = {k: statistics.median(r[k] for r in measured["rounds"]) for k in ("labkit", "raw")}
     round_ratios = [r["labkit"] / r["raw"] for r in measured["rounds"]]
     return {
         "median_step_s": {"labkit": med["labkit"], "raw": med["raw"]},
-        "median_loop_period_s": {"labkit": med["labkit_period"], "raw": med["raw"]},
+        "wall_per_step_s": wall,
         "round_ratios": round_ratios,
-        "pooled_ratio": med["labkit"] / med["raw"],
+        "probed_step_ratio": med["labkit"] / med["raw"],
         "probe_overhead_s": probe_s,
-        "probe_overhead_fraction": probe_s / med["labkit"],
-        "loop_period_ratio": med["labkit_period"] / med["raw"],
+        "probe_overhead_fraction": probe_s / wall["labkit"],
         "ratio": statistics.median(round_ratios),
     }
 
@@ -140,14 +123,15 @@ def print_report(cfg: RunConfig, rounds: int, s: dict) -> None:
           f"{cfg.depth}, global batch {cfg.global_batch}; {rounds} rounds x {cfg.steps} steps "
           f"(+{cfg.warmup} warm-up); {_cores()} CPU cores; torch {torch.__version__}")
     for i, r in enumerate(s["round_ratios"]):
-        print(f"round {i}: labkit/raw {r:.3f}")
-    print(f"median step (max over ranks): labkit {s['median_step_s']['labkit'] * 1e3:.3f} ms, "
-          f"raw {s['median_step_s']['raw'] * 1e3:.3f} ms (pooled ratio {s['pooled_ratio']:.2f})")
-    print(f"loop period incl. record + progress send (parent clock): labkit "
-          f"{s['median_loop_period_s']['labkit'] * 1e3:.3f} ms, ratio to raw step "
-          f"{s['loop_period_ratio']:.2f} (approximate: parent wake-up jitter)")
+        print(f"round {i}: labkit/raw end-to-end {r:.3f}")
+    print(f"end-to-end wall per step (slowest rank, median over rounds): labkit "
+          f"{s['wall_per_step_s']['labkit'] * 1e3:.3f} ms, raw "
+          f"{s['wall_per_step_s']['raw'] * 1e3:.3f} ms")
+    print(f"probed step only (median, max over ranks; excludes work between steps): labkit "
+          f"{s['median_step_s']['labkit'] * 1e3:.3f} ms, raw "
+          f"{s['median_step_s']['raw'] * 1e3:.3f} ms (ratio {s['probed_step_ratio']:.2f})")
     print(f"probe overhead: {s['probe_overhead_s'] * 1e6:.1f} us per step "
-          f"({s['probe_overhead_fraction'] * 100:.2f}% of labkit's median step)")
+          f"({s['probe_overhead_fraction'] * 100:.2f}% of labkit's step)")
     print(f"goal labkit/raw <= {GOAL_RATIO}: {'met' if s['ratio'] <= GOAL_RATIO else 'NOT met'}")
     print(f"labkit/raw step-time ratio: {s['ratio']:.2f}")
 
@@ -179,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "machine": {"cpu_cores": _cores(), "platform": platform.platform(),
                            "python": platform.python_version(), "torch": torch.__version__},
-               "samples_s": {k: measured[k] for k in ("labkit", "raw", "labkit_period")},
+               "samples_s": {k: measured[k] for k in ("labkit", "raw")},
+               "wall_per_step_rounds_s": measured["rounds"],
                **summary}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -23,10 +23,11 @@ import time
 from datetime import datetime, timezone
 
 WORLD_SIZE = 2
-# Goals from the issue: first launch in a kernel <= 2 s; later ones no slower than Accelerate's
-# notebook_launcher, which measured ~0.17 s on this machine (used when accelerate is absent).
-FIRST_LAUNCH_GOAL_S = 2.0
-NOTEBOOK_LAUNCHER_REFERENCE_S = 0.17
+# Goals (issue 7): first launch in a kernel <= 1.5 s; a warm launch at most half as long as
+# Accelerate's notebook_launcher measured in the same run (0.154 s here when it is absent).
+FIRST_LAUNCH_GOAL_S = 1.5
+WARM_RATIO_GOAL = 0.5
+NOTEBOOK_LAUNCHER_REFERENCE_S = 0.154
 
 
 # ---- what every rank does ----------------------------------------------------------------------
@@ -96,8 +97,11 @@ class LabkitChild:
     """A fresh interpreter that times ``labkit.launch`` each time the parent writes a line."""
 
     def __init__(self):
+        # LABKIT_PREWARM=1: start the forkserver at import, as `import labkit` does in a kernel
+        env = {**os.environ, "LABKIT_PREWARM": "1"}
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--labkit-child"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
         self.import_s = self._read()["import_s"]
 
     def launch(self) -> float:
@@ -166,15 +170,14 @@ def summarise(measured: dict, with_accelerate: bool) -> dict:
     reference = NOTEBOOK_LAUNCHER_REFERENCE_S
     if with_accelerate:
         reference = medians["accelerate notebook_launcher"]
-        ratios["labkit later launch / notebook_launcher"] = (
-            medians["labkit later launch"] / reference)
     goals = {
         f"first launch <= {FIRST_LAUNCH_GOAL_S:g} s":
             medians["labkit first launch"] <= FIRST_LAUNCH_GOAL_S,
-        f"later launch <= notebook_launcher ({reference:.3f} s"
-        f"{'' if with_accelerate else ', the issue figure'})":
-            medians["labkit later launch"] <= reference,
+        f"later launch <= {WARM_RATIO_GOAL:g} x notebook_launcher ({reference:.3f} s"
+        f"{'' if with_accelerate else ', the issue figure: accelerate is not installed'})":
+            medians["labkit later launch"] <= WARM_RATIO_GOAL * reference,
     }
+    ratios["labkit/notebook_launcher warm launch ratio"] = medians["labkit later launch"] / reference
     return {"medians_s": medians, "ratios": ratios, "goals": goals}
 
 
@@ -193,6 +196,8 @@ def print_report(measured: dict, summary: dict, with_accelerate: bool) -> None:
         print(f"{name}: {value:.2f}x")
     for goal, met in summary["goals"].items():
         print(f"goal {goal}: {'met' if met else 'NOT met'}")
+    ratio = summary["ratios"]["labkit/notebook_launcher warm launch ratio"]
+    print(f"labkit/notebook_launcher warm launch ratio: {ratio:.2f}")
 
 
 def _torch_version() -> str:

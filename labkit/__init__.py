@@ -5,10 +5,14 @@
     labkit.launch(fn, world_size=2)                      # fn(ctx) on 2 rank processes
     res = labkit.run(labkit.RunConfig(strategy="ddp"))   # one strategy, measured
 """
-from .config import RunConfig
-from .dist import RankContext, cleanup, print0, reduce_scalar, rprint, session, setup
-from .env import probe as env_probe
-from .launch import LaunchCancelled, LaunchError, LaunchTimeout, RankError, launch
+from . import _prewarm
+
+_prewarm.start_in_kernel()        # before torch is imported here: see labkit/_prewarm.py
+
+from .config import RunConfig  # noqa: E402
+from .dist import RankContext, cleanup, print0, reduce_scalar, rprint, session, setup  # noqa: E402
+from .env import probe as env_probe  # noqa: E402
+from .launch import LaunchCancelled, LaunchError, LaunchTimeout, RankError, launch  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -85,13 +85,15 @@ def cleanup() -> None:
 @contextmanager
 def session(rank: int | None = None, world_size: int | None = None, *, device: str = "auto",
             backend: str | None = None, store: "dist.Store | None" = None,
-            timeout_s: float = 300.0,
-            report: Callable[..., None] = _no_report) -> Iterator[RankContext]:
+            timeout_s: float = 300.0, report: Callable[..., None] = _no_report,
+            barrier: bool = True) -> Iterator[RankContext]:
     """Set up the default process group, yield this rank's context, always destroy the group.
 
     With no rank/world_size, read them from the torchrun environment (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR, MASTER_PORT). ``store`` is how ``labkit.launch`` rendezvouses
     (a TCPStore the launcher holds, so two launches can never race for one port).
+    ``barrier=False`` skips the barrier after init, for a rank that never destroys the group
+    before its peers are done (``labkit.launch``'s ranks are stopped by their caller).
     """
     if rank is None or world_size is None:
         try:
@@ -104,7 +106,8 @@ def session(rank: int | None = None, world_size: int | None = None, *, device: s
     dev = _device_for(local_rank, device, local_world)
     backend = backend or default_backend(dev.type)
     init = None if store is not None else "env://"
-    _init(backend, dev, init, rank=rank, world_size=world_size, timeout_s=timeout_s, store=store)
+    _init(backend, dev, init, rank=rank, world_size=world_size, timeout_s=timeout_s, store=store,
+          barrier=barrier)
     try:
         yield RankContext(rank, local_rank, world_size, dev, backend, report)
     finally:
@@ -125,14 +128,15 @@ def _device_for(local_rank: int, device: str, local_world: int) -> torch.device:
 
 
 def _init(backend: str, device: torch.device, init_method: str | None, *, rank: int,
-          world_size: int, timeout_s: float, store=None) -> None:
+          world_size: int, timeout_s: float, store=None, barrier: bool = True) -> None:
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("nccl needs GPU tensors; on CPU ranks use backend='gloo' (or None)")
     dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     # gloo connects its full mesh lazily; without this a rank that finishes at once can destroy
     # the group while a peer is still connecting ("connectFullMesh failed", ~1 launch in 60).
-    dist.barrier()
+    if barrier:
+        dist.barrier()
 
 
 def clock_offset(ctx: RankContext, repeats: int = 8) -> float:

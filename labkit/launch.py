@@ -34,11 +34,11 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from . import _prewarm
 from .env import cpu_cores, resolve_device
 
 __all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "LaunchCancelled"]
 
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "labkit", "labkit.launch"]
 _STOP_GRACE_S = 2.0
 _ROOT_CAUSE_WAIT_S = 0.5
 
@@ -95,7 +95,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
     kind = resolve_device(device, world_size)
     payload = _pack(fn, args, kwargs or {})
     threads = threads or max(1, cpu_cores() // world_size)
-    ctx = _context()
+    ctx = _prewarm.context()
 
     import torch.distributed as dist  # the parent holds the rendezvous store for this launch
     store = None
@@ -246,29 +246,39 @@ def _rank_main(payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path:
             import torch.distributed as dist
             host, port = spec["store"]
             store = dist.TCPStore(host, port, is_master=False, timeout=_td(spec["timeout_s"]))
+            # No barrier after init and no teardown: once it has sent its result, a rank waits
+            # to be stopped by the caller (which does so as soon as every rank's result is in),
+            # so it can never destroy the group under a peer that is still connecting, and the
+            # teardown (gc.collect + destroy, ~0.1 s) stays off the caller's critical path.
             with ldist.session(rank, spec["world_size"], device=spec["device"],
-                               backend=spec["backend"], store=store,
+                               backend=spec["backend"], store=store, barrier=False,
                                timeout_s=spec["timeout_s"], report=report) as ctx:
                 try:
                     result = fn(ctx, *args, **kwargs)
+                    _send_result(conn, rank, result)
                 except BaseException:
                     # Report before the group is torn down, so this rank, not a peer that then
                     # loses its connection, is the one the caller hears about first.
                     conn.send(("error", traceback.format_exc()))
                     sent_error = True
                     raise
-        try:
-            data = cloudpickle.dumps(result)
-        except Exception as exc:
-            raise TypeError(f"rank {rank} returned a {type(result).__name__} that cannot be sent "
-                            f"back to the caller ({exc}); return plain data (numbers, dicts, "
-                            f"tensors, DataFrames)") from exc
-        conn.send(("result", data))
+                threading.Event().wait()   # until the caller stops us (or the lifeline ends)
+        _send_result(conn, rank, result)
     except BaseException:
         if not sent_error:
             conn.send(("error", traceback.format_exc()))
     finally:
         conn.close()
+
+
+def _send_result(conn, rank: int, result) -> None:
+    try:
+        data = cloudpickle.dumps(result)
+    except Exception as exc:
+        raise TypeError(f"rank {rank} returned a {type(result).__name__} that cannot be sent "
+                        f"back to the caller ({exc}); return plain data (numbers, dicts, "
+                        f"tensors, DataFrames)") from exc
+    conn.send(("result", data))
 
 
 def _watch_lifeline(lifeline) -> None:
@@ -298,14 +308,6 @@ def _pack(fn, args, kwargs) -> bytes:
                 f"RunConfig) and build things like open files, locks, sockets or generators "
                 f"inside the function.") from exc
     raise TypeError("the function and its arguments cannot be sent to the rank processes")
-
-
-def _context():
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)   # takes effect when the server first starts
-        return ctx
-    return mp.get_context("spawn")
 
 
 def _dump_stacks(procs, ranks, dumps) -> dict[int, str]:
