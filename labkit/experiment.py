@@ -101,12 +101,14 @@ def finalize(records: list[dict]) -> pd.DataFrame:
 
 
 def _pipeline_columns(df: pd.DataFrame) -> None:
-    """Every stage's events of a step on one origin; the bubble measured per step, and predicted
-    by simulating the schedule on the run's measured costs (``labkit.predict.schedule``)."""
+    """Per step: every stage's events on one origin; the bubble measured, and predicted by
+    simulating the schedule on that step's measured costs (``labkit.predict.schedule``)."""
     schedule, M = df["schedule"].iloc[0], int(df["microbatches"].iloc[0])
     P = int(df["world_size"].iloc[0])
     steps = []
-    df["span_s"] = df["bubble_fraction"] = math.nan
+    for col in ("span_s", "bubble_fraction", "bubble_predicted", "span_predicted_s",
+                "handoff_s", "dispatch_gap_s"):
+        df[col] = math.nan
     for _, g in df.groupby("step"):
         origin = g["start_s"].min()
         for i in g.index:
@@ -114,20 +116,20 @@ def _pipeline_columns(df: pd.DataFrame) -> None:
                                   for e in df.at[i, "events"]]
         events = [e for i in g.index for e in df.at[i, "events"]]
         span = max(e["end"] for e in events) - min(e["start"] for e in events)
+        costs = costs_from_steps([events], P)
+        predicted = predict_step(schedule, M, costs)
         for i in g.index:
+            s = int(df.at[i, "stage"])
             busy = df.at[i, "forward_s"] + df.at[i, "backward_s"]
             df.at[i, "span_s"] = span
             df.at[i, "bubble_fraction"] = max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+            df.at[i, "bubble_predicted"] = predicted["bubble_per_stage"][s]
+            df.at[i, "span_predicted_s"] = predicted["span_s"]
+            df.at[i, "handoff_s"] = costs.handoff_s[s] if s < P - 1 else math.nan
+            df.at[i, "dispatch_gap_s"] = costs.gap_s[s]
         steps.append(events)
-    costs = costs_from_steps(steps, P)
-    predicted = predict_step(schedule, M, costs)
-    stage = df["stage"].astype(int)
-    df["bubble_predicted"] = stage.map(predicted["bubble_per_stage"])
-    df["span_predicted_s"] = predicted["span_s"]
-    df["handoff_s"] = stage.map(dict(enumerate(costs.handoff_s))).astype(float)
-    df["dispatch_gap_s"] = stage.map(dict(enumerate(costs.gap_s)))
     df["bubble_theory"] = theory_bubble(P, M)
-    df.attrs["notes"] = [n for n in [latency_note(costs, M)] if n]
+    df.attrs["notes"] = [n for n in [latency_note(costs_from_steps(steps, P), M)] if n]
 
 
 def latency_note(costs: ScheduleCosts, microbatches: int) -> str | None:
@@ -287,19 +289,21 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     table["speedup_all_cores"] = table["samples_per_s"] / all_cores
     table["speedup_same_cores"] = table["samples_per_s"] / table["threads"].map(single)
     table["efficiency"] = table["speedup_same_cores"] / table["world_size"]
-    if "bubble_fraction" in records:       # pipelines: the stages' mean idle share
-        table["bubble_fraction"] = [step_bubbles(g).median() for _, g in runs]
-        for col in ("bubble_predicted", "bubble_theory"):    # one value per stage in a run
-            table[col] = [g.groupby("stage")[col].first().mean() for _, g in runs]
+    if "bubble_fraction" in records:       # pipelines: the stages' mean idle share, median step
+        for col in ("bubble_fraction", "bubble_predicted", "bubble_theory"):
+            table[col] = [step_bubbles(g, column=col).median() if col in g else math.nan
+                          for _, g in runs]
     if "oversubscribed" in records:
         table["oversubscribed"] = [bool(g["oversubscribed"].any()) for _, g in runs]
     return table
 
 
-def step_bubbles(records: pd.DataFrame, min_cpu_share: float | None = None) -> pd.Series:
-    """Per step, the stages' mean idle share; with ``min_cpu_share``, only the steps in which
-    every rank got at least that share of a core (the others measured the machine's load)."""
-    per_step = records.groupby("step").agg(bubble=("bubble_fraction", "mean"),
+def step_bubbles(records: pd.DataFrame, min_cpu_share: float | None = None,
+                 column: str = "bubble_fraction") -> pd.Series:
+    """Per step, the stages' mean idle share (measured, or ``column="bubble_predicted"``);
+    with ``min_cpu_share``, only the steps in which every rank got at least that share of a
+    core (the others measured the machine's load)."""
+    per_step = records.groupby("step").agg(bubble=(column, "mean"),
                                            cpu=("compute_cpu_share", "min"))
     if min_cpu_share is not None:
         per_step = per_step[per_step["cpu"] >= min_cpu_share]
