@@ -138,33 +138,62 @@ def gantt(events: Sequence[dict], title: str = "pipeline timeline", unit: str = 
 
 def gantt_vs_theory(events: Sequence[dict], schedule: str, stages: int,
                     microbatches: int) -> go.Figure:
-    """Measured events (top) above the schedule theory predicts from their mean F/B times."""
+    """One step three ways: measured (top); predicted, i.e. the schedule simulated on this
+    step's measured stage times, hand-offs and dispatch; and the closed form's ideal, equal
+    stages with the same mean F/B times and free hand-offs."""
+    from .predict.schedule import costs_from_steps, predict_step
     f = [e["end"] - e["start"] for e in events if e["kind"] == "F"] or [1.0]
     b = [e["end"] - e["start"] for e in events if e["kind"] == "B"] or [2.0]
-    ideal = theoretical_events("gpipe" if schedule == "model_parallel" else schedule, stages,
-                               microbatches, statistics.mean(f), statistics.mean(b))
-    measured, theory = bubble_fraction(events), bubble_fraction(ideal)
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=(
-        f"measured ({schedule}, P={stages}, M={microbatches}): bubble "
-        f"{statistics.mean(measured.values()):.2f}",
-        f"theory with the same mean F/B times: bubble {statistics.mean(theory.values()):.2f} "
-        f"= (P-1)/(M+P-1) = {theory_bubble(stages, microbatches):.2f}"))
-    for trace in _gantt_traces(events):
-        fig.add_trace(trace, row=1, col=1)
-    for trace in _gantt_traces(ideal, show_legend=False):
-        fig.add_trace(trace, row=2, col=1)
+    ideal = theoretical_events(schedule, stages, microbatches, statistics.mean(f),
+                               statistics.mean(b))
+    costs = costs_from_steps([events], stages)
+    predicted = predict_step(schedule, microbatches, costs)
+    measured = statistics.mean(bubble_fraction(events).values())
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.09, subplot_titles=(
+        f"measured ({schedule}, P={stages}, M={microbatches}): bubble {measured:.2f}",
+        f"predicted from this step's measured costs (hand-off "
+        f"{1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
+        f"{1e3 * max(costs.gap_s, default=0):.2f} ms): bubble {predicted['bubble']:.2f}",
+        f"closed form, equal stages and free hand-offs: (P-1)/(M+P-1) = "
+        f"{theory_bubble(stages, microbatches):.2f}"))
+    for row, evs in enumerate((events, predicted["events"], ideal), start=1):
+        for trace in _gantt_traces(evs, show_legend=row == 1):
+            fig.add_trace(trace, row=row, col=1)
     fig.update_yaxes(autorange="reversed")
-    fig.update_xaxes(title_text="seconds from step start", row=2, col=1)
-    fig.update_layout(barmode="overlay", height=200 + 100 * stages)
+    fig.update_xaxes(title_text="seconds from step start", row=3, col=1)
+    fig.update_layout(barmode="overlay", height=260 + 120 * stages,
+                      margin=dict(t=60, b=40, l=70, r=20))
     return fig
+
+
+def bubble_table(records, min_cpu_share: float | None = 0.9):
+    """Per (schedule, M): the bubble measured, predicted and by the closed form (median step;
+    with ``min_cpu_share``, only steps where every rank had that share of a core)."""
+    import pandas as pd
+
+    from .experiment import step_bubbles
+    rows = []
+    for (schedule, M), g in records.groupby(["schedule", "microbatches"]):
+        measured = step_bubbles(g, min_cpu_share)
+        rows.append({"schedule": schedule, "microbatches": int(M),
+                     "bubble_fraction": measured.median(),
+                     "bubble_predicted": step_bubbles(g, min_cpu_share,
+                                                      "bubble_predicted").median(),
+                     "theory": theory_bubble(int(g["world_size"].iloc[0]), int(M)),
+                     "clean_steps": len(measured)})
+    return pd.DataFrame(rows)
 
 
 def bubble_vs_microbatches(table, stages: int) -> go.Figure:
     """Measured bubble fraction against M (points per schedule) with the theory curve."""
     fig = go.Figure()
     for schedule, g in table.groupby("schedule"):
-        fig.add_trace(go.Scatter(x=g["microbatches"], y=g["bubble_fraction"], name=str(schedule),
-                                 mode="markers+lines"))
+        fig.add_trace(go.Scatter(x=g["microbatches"], y=g["bubble_fraction"],
+                                 name=f"{schedule} measured", mode="markers+lines"))
+        if "bubble_predicted" in g:
+            fig.add_trace(go.Scatter(x=g["microbatches"], y=g["bubble_predicted"],
+                                     name=f"{schedule} predicted", mode="markers",
+                                     marker=dict(symbol="x", size=10)))
     ms = list(range(1, int(table["microbatches"].max()) + 1))
     fig.add_trace(go.Scatter(x=ms, y=[theory_bubble(stages, m) for m in ms], mode="lines",
                              name="(P-1)/(M+P-1)", line=dict(dash="dash", color="black")))

@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 
-import pandas as pd
 import torch
 
 from .__main__ import add_config_args, config_from_args
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch.set_num_threads(cfg.threads or max(1, cpu_cores() // local_world))
 
-    def report(step, total, loss):
+    def report(step, total, loss, **_):
         if step % 10 == 0 or step == total:
             print0(f"{cfg.strategy}: step {step}/{total} loss {loss:.4f}", flush=True)
 
@@ -49,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_rank(ctx, cfg)
         gathered = gather_to_main(result["records"])
     if gathered is not None:
-        records = pd.DataFrame([r for rank_records in gathered for r in rank_records])
-        from .experiment import summarize
-        print(summarize(records).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+        from .experiment import finalize, summarize
+        from .report import format_table
+        records = finalize([r for rank_records in gathered for r in rank_records])
+        print(format_table(summarize(records)))
         if args.out:
             save_records(records, args.out, config=cfg.to_dict(), launcher="torchrun")
             print(f"records: {args.out} ({len(records)} rows)")

@@ -30,8 +30,9 @@ def test_compare_prints_table_and_writes_records_and_report(tmp_path):
     r = labkit("compare", "--strategies", "single,dp,ddp", "--world-sizes", "1,2", "--steps", "3",
                *SMALL, "--json", str(out), "--html", str(html))
     assert r.returncode == 0, r.stderr
-    for header in ("strategy", "samples/s", "step ms (max rank)", "exposed comm", "speed-up",
-                   "efficiency"):
+    for header in ("run", "samples/s", "step ms (median, slowest rank)", "exposed comm",
+                   "vs single, all cores", "vs single, same cores", "efficiency",
+                   "loss (global batch)", "== what the table says"):
         assert header in r.stdout
     payload = json.loads(out.read_text())
     recs = payload["records"]
