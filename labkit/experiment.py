@@ -318,27 +318,10 @@ def phase_breakdown(records: pd.DataFrame) -> pd.DataFrame:
     return med[["run", "strategy", "world_size", *TIME_COLUMNS]]
 
 
-def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, *, steps: int = 5,
-          tol: float = 1e-5, model_fn=None, data_fn=None) -> pd.DataFrame:
-    """Train each strategy ``steps`` steps from the same weights on the same global batches and
-    compare its final parameters with single-device training: max |difference| per strategy."""
-    cfg = base.replace(steps=steps, warmup=0, deterministic=True)
-    ref = run(cfg.replace(strategy="single", world_size=1), model_fn=model_fn,
-              data_fn=data_fn).params
-    rows = []
-    for name in strategies:
-        if name == "single":
-            continue
-        ws = cfg.stages if name in PIPELINE_STRATEGIES else world_size
-        got = run(cfg.replace(strategy=name, world_size=ws), model_fn=model_fn,
-                  data_fn=data_fn).params
-        if set(got) != set(ref):
-            raise AssertionError(f"{name} returned parameters {sorted(set(got) ^ set(ref))} that "
-                                 f"single does not have (or lacks them)")
-        diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
-        rows.append({"strategy": name, "world_size": ws, "steps": steps,
-                     "max_abs_diff": diff, "tol": tol, "ok": diff <= tol})
-    return pd.DataFrame(rows)
+def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, **kwargs):
+    """Same model as single-device training? See ``labkit.equivalence.check``."""
+    from .equivalence import check as check_equivalence
+    return check_equivalence(base, strategies, world_size, **kwargs)
 
 
 # ---- save / load -------------------------------------------------------------------------------

@@ -94,9 +94,3 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str = "cpu") -> nn.Mo
     for name, child in module.named_children():
         setattr(module, name, convert_sync_batchnorm(child, device_type))
     return module
-
-
-def batch_stat_layers(module: nn.Module) -> list[str]:
-    """Names of the layers whose training output depends on the batch's statistics."""
-    return [name for name, m in module.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -7,7 +7,8 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import launch
-from labkit.syncbn import SyncBatchNorm, batch_stat_layers, convert_sync_batchnorm
+from labkit.equivalence import batch_stat_layers
+from labkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 
 def _bn_inputs(shape):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
@@ -135,17 +136,32 @@ class Progress:
             self.last = time.perf_counter()
 
 
+@contextmanager
+def buffers_kept(model: nn.Module):
+    """Run measurement-only forwards without a trace: BatchNorm's running statistics and
+    counters are restored afterwards, so the trained model is what training alone made."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[name])
+
+
 def backward_time_without_comm(model, loss_fn, batch, device, repeats: int = 5) -> float:
-    """Median backward time under DDP's ``no_sync()`` (no all-reduce); grads are cleared after."""
+    """Median backward time under DDP's ``no_sync()`` (no all-reduce); grads are cleared after
+    and buffers restored."""
     x, y = (t.to(device) for t in batch)
     times = []
-    for _ in range(repeats):
-        with model.no_sync():
-            loss = loss_fn(model(x), y)
-            sync(device)
-            t0 = time.perf_counter()
-            loss.backward()
-            sync(device)
-            times.append(time.perf_counter() - t0)
+    with buffers_kept(model):
+        for _ in range(repeats):
+            with model.no_sync():
+                loss = loss_fn(model(x), y)
+                sync(device)
+                t0 = time.perf_counter()
+                loss.backward()
+                sync(device)
+                times.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
     return statistics.median(times)

@@ -27,7 +27,8 @@ from ..dist import RankContext
 from ..factories import Factories
 from ..models import even_bounds, split, stage_state_names
 from ..probes import RunQueueClock, cpu_seconds, peak_memory, sync
-from .common import Progress, build_model, data_iter, final_state, seed_rank_streams
+from .common import (Progress, buffers_kept, build_model, data_iter, final_state,
+                     seed_rank_streams)
 
 
 @dataclass
@@ -59,8 +60,9 @@ def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories) -> Stage:
     # one micro-batch of real samples: the shapes every boundary sees
     x, _ = default_collate([dataset[i] for i in range(cfg.batch_per_rank)])
     x = x.to(ctx.device)
-    bounds = stage_bounds(cfg, ctx, model, x)
-    shapes = boundary_shapes(model, x)
+    with buffers_kept(model):           # probing shapes and costs must not train BatchNorm
+        bounds = stage_bounds(cfg, ctx, model, x)
+        shapes = boundary_shapes(model, x)
     s, ends = ctx.rank, bounds[1:] + [len(model)]
     module = split(model, bounds)[s]
     return Stage(s, cfg.stages, bounds, module, stage_state_names(bounds, s, module),
