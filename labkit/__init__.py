@@ -19,13 +19,16 @@ __version__ = "0.1.0"
 # pandas/plotly-backed parts load on first use, so rank processes (which import labkit) stay lean.
 _LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment",
          "check": "experiment", "grid": "experiment", "run_panel": "widgets",
-         "pipeline_panel": "pipeline_widgets"}
+         "pipeline_panel": "widgets"}
+_SUBMODULES = ("experiment", "report", "plots", "timeline", "predict", "equivalence", "widgets")
 
 
 def __getattr__(name):
+    import importlib
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 

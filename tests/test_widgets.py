@@ -1,11 +1,19 @@
-"""The run panel: bounded slider, configs from widgets, unattended run, Stop."""
+"""The panels as code drives them: configs from widgets, bad input refused before a run, the
+background-thread path redrawing the Output widget, Stop and Interrupt, finished runs kept."""
+import json
 import time
 
 from labkit import RunConfig
 from labkit.env import probe
-from labkit.widgets import run_panel, world_sizes_upto
+from labkit.widgets import pipeline_panel, run_panel, world_sizes_upto
 
 SMALL = RunConfig(width=64, depth=2, global_batch=32, dataset_size=512, steps=5, warmup=1)
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def shown(panel) -> str:
+    """Everything the panel's Output widget holds, as text (tables' HTML, figures' JSON)."""
+    return json.dumps([o["data"] for o in panel.out.outputs])
 
 
 def test_world_sizes_upto():
@@ -15,41 +23,92 @@ def test_world_sizes_upto():
 
 
 def test_panel_builds_configs_from_its_widgets_and_bounds_the_slider():
-    panel = run_panel(SMALL, run_now=False)
+    panel = run_panel(SMALL)
     env = probe()
     assert panel.world.max == (env.max_world_size if env.device == "cuda"
                                else max(2, 2 * env.max_world_size))
     panel.strategies.value = ("single", "ddp_naive")
     panel.batch.value, panel.world.value = 64, 2
-    got = [(c.strategy, c.world_size, c.global_batch) for c in panel.configs()]
+    got = [(c.strategy, c.world_size, c.global_batch) for c in panel.configs()
+           if c.threads is None]
     assert got == [("single", 1, 64), ("ddp_naive", 1, 64), ("ddp_naive", 2, 64)]
+    assert panel.status.value.startswith("ready: single")
 
 
-def test_panel_runs_its_default_selection_unattended():
-    panel = run_panel(SMALL, selected=("single", "ddp"))
+def test_unattended_run_draws_table_and_charts_into_the_panel():
+    panel = run_panel(SMALL, selected=("single", "ddp"), run_now=True)
     assert set(panel.table["strategy"]) == {"single", "ddp"}
     assert "done" in panel.status.value
-    assert all(bar.value == SMALL.warmup + SMALL.steps for bar in panel.bars.children)
+    kinds = [next(iter(o["data"])) for o in panel.out.outputs]
+    assert kinds[0] == "text/html" and kinds.count(PLOTLY) == 2   # the table, then 2 charts
+    assert "ddp@2" in shown(panel) and PLOTLY in shown(panel)
+    assert all(bar.value == bar.max == SMALL.steps for bar, _ in
+               (row.children for row in panel.bars.children))
 
 
-def test_bad_input_is_shown_in_the_panel_and_keeps_previous_results():
-    panel = run_panel(SMALL, selected=("single",))
+def test_a_run_from_the_background_thread_redraws_with_the_new_configuration():
+    panel = run_panel(SMALL, selected=("single", "ddp"), run_now=True)
+    panel.strategies.value = ("single", "ddp_naive")
+    panel.start().join(120)
+    assert "ddp_naive@2" in shown(panel) and "ddp@2" not in shown(panel)
+    assert PLOTLY in shown(panel) and "done" in panel.status.value
+
+
+def test_bad_input_is_refused_before_a_run_and_clears_stale_progress():
+    panel = run_panel(SMALL, selected=("single", "ddp"), run_now=True)
     before = panel.records
-    panel.batch.value = 31                    # not divisible by world size 2
-    panel.world.value = 2
-    panel.strategies.value = ("ddp",)
-    assert panel.run() is None
-    assert "not divisible" in panel.status.value and panel.records is before
-
-
-def test_stop_button_cancels_a_background_run():
-    panel = run_panel(SMALL.replace(steps=2000), selected=("ddp",), run_now=False)
-    thread = panel.start()
-    deadline = time.time() + 60
-    while not panel.bars.children and time.time() < deadline:   # wait until ranks are running
-        time.sleep(0.05)
-    panel.stop_button.click()
-    thread.join(30)
-    assert not thread.is_alive()
-    assert "stopped" in panel.status.value
+    panel.batch.value = 30                    # world sizes 1, 2, 3 and 4: 4 does not divide 30
+    panel.world.value = 4
+    assert panel.run_button.disabled and "cannot run" in panel.status.value
+    assert "not divisible by world size 4" in panel.status.value
+    assert panel.bars.children == ()
+    assert panel.run() is None and panel.records is before
+    panel.batch.value = 32
     assert not panel.run_button.disabled
+
+
+def _wait_for_bars(panel, timeout=60):
+    deadline = time.time() + timeout
+    while not panel.bars.children and time.time() < deadline:   # ranks are running
+        time.sleep(0.05)
+
+
+def test_stop_and_interrupt_stop_a_background_run_within_a_second():
+    for how, said in (("stop_button", "the Stop button"), ("interrupt", "the kernel's Interrupt")):
+        panel = run_panel(SMALL.replace(steps=2000), selected=("ddp",))
+        panel.world.value = 2
+        thread = panel.start()
+        _wait_for_bars(panel)
+        t0 = time.time()
+        panel.stop_button.click() if how == "stop_button" else panel.interrupt()
+        thread.join(30)
+        assert not thread.is_alive() and time.time() - t0 < 5
+        assert f"stopped</b> by {said}" in panel.status.value
+        assert not panel.run_button.disabled
+
+
+def test_stop_keeps_the_runs_that_had_finished():
+    panel = run_panel(SMALL.replace(steps=2000), selected=("single", "ddp"))
+    panel.steps.value = 200
+    panel.world.value = 2
+    thread = panel.start()
+    deadline = time.time() + 120
+    while len(panel.finished) < 2 and time.time() < deadline:   # both singles finished
+        time.sleep(0.05)
+    panel.stop()
+    thread.join(30)
+    assert "showing the runs that had finished" in panel.status.value
+    assert "single (" in shown(panel)
+
+
+def test_pipeline_panel_controls_and_redraw():
+    base = SMALL.replace(strategy="pipeline_1f1b", world_size=2, stages=2, microbatches=4)
+    panel = pipeline_panel(base)
+    panel.schedule.value = "model_parallel"
+    assert panel.microbatches.disabled and "M=1" in panel.status.value
+    panel.schedule.value = "pipeline_gpipe"
+    panel.steps.value = 3
+    panel.start().join(120)
+    assert panel.result.cfg.steps == 3
+    assert "measured (gpipe, P=2, M=4)" in shown(panel) and "predicted" in shown(panel)
+    assert "predicted" in panel.status.value and "closed form" in panel.status.value

@@ -85,7 +85,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
                       device=str(ctx.device), global_batch=cfg.global_batch)
     comm_baseline_s, records, total = None, [], cfg.warmup + cfg.steps
-    progress = Progress(ctx, total)
+    progress = Progress(ctx, cfg.steps)           # measured steps only
     for i in range(total):
         if i == cfg.warmup and calibrate is not None:
             comm_baseline_s = calibrate(loss_fn)
@@ -107,7 +107,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                            comm_bytes=comm_bytes)
         if i >= cfg.warmup:
             records.append(rec)
-        progress(i + 1, rec["shard_loss"], len(x))
+            progress(i + 1 - cfg.warmup, rec["shard_loss"], len(x))
     return {"records": records, "notes": notes or [],
             "params": final_state(cfg, unwrapped if unwrapped is not None else model)}
 

@@ -1,0 +1,190 @@
+"""What every labkit panel shares: controls build a run, Run executes it in a background thread
+(so Stop stays clickable), per-rank progress bars move live, and the results are drawn into the
+panel's output when the run ends.
+
+Two facts about Jupyter this file relies on (checked with JupyterLab 4.6, ipykernel 7.4,
+ipywidgets 8.1.9, plotly 7.1, in headless Chromium 156):
+
+* From a thread started by a button click, ``Output.clear_output()`` + ``with out: display()``
+  renders nothing (2 of 2 tries here, 3 of 3 before): the display messages carry the click's
+  parent header, not the Output widget's, so the browser never routes them to it. Setting the
+  widget's ``outputs`` trait instead is a plain state update, which the browser applies from any
+  thread: labkit builds the mime bundles itself (plotly's ``application/vnd.plotly.v1+json``
+  from ``fig.to_json()``, a DataFrame's HTML) and assigns them (rendered 2 of 2).
+* The kernel's Interrupt is a SIGINT that an idle ipykernel ignores (it installs SIG_IGN and
+  restores it after every cell and every click), so a run in a thread never hears it. The panel
+  wraps the handler ipykernel restores (``kernel.saved_sigint_handler``): on SIGINT it stops
+  every running panel, then does what ipykernel would have done.
+"""
+from __future__ import annotations
+
+import html
+import json
+import signal
+import threading
+from typing import Any
+
+import ipywidgets as W
+import pandas as pd
+
+from ..launch import LaunchCancelled
+
+_RUNNING: set["BackgroundRun"] = set()      # panels with a run under way (for the interrupt)
+_LISTENING = False
+
+
+def _listen_for_interrupt() -> None:
+    """Make the kernel's Interrupt stop running panels (once per kernel; see the docstring)."""
+    global _LISTENING
+    try:
+        from IPython import get_ipython
+        kernel = getattr(get_ipython(), "kernel", None)
+    except ImportError:
+        kernel = None
+    if _LISTENING or kernel is None or threading.current_thread() is not threading.main_thread():
+        return
+    idle = getattr(kernel, "saved_sigint_handler", None) or signal.getsignal(signal.SIGINT)
+
+    def on_interrupt(signum, frame):
+        for panel in list(_RUNNING):
+            panel.interrupt()
+        if callable(idle):
+            idle(signum, frame)
+
+    if hasattr(kernel, "saved_sigint_handler"):
+        kernel.saved_sigint_handler = on_interrupt   # restored when this cell or click returns
+    else:
+        signal.signal(signal.SIGINT, on_interrupt)
+    _LISTENING = True
+
+
+def mime_output(obj: Any) -> dict:
+    """One display_data output for an Output widget's ``outputs`` trait."""
+    if hasattr(obj, "to_plotly_json"):                # a plotly figure
+        title = obj.layout.title.text if obj.layout.title else None
+        data = {"application/vnd.plotly.v1+json": {**json.loads(obj.to_json()),
+                                                   "config": {"responsive": True}},
+                "text/plain": f"<plotly figure: {title or 'untitled'}>"}
+    elif isinstance(obj, pd.DataFrame):
+        table = obj.to_html(index=False, border=0, classes="labkit-table")
+        data = {"text/html": f"<div style='overflow-x:auto; font-size:12px'>{table}</div>",
+                "text/plain": obj.to_string(index=False)}
+    else:
+        data = {"text/html": str(obj), "text/plain": html.unescape(str(obj))}
+    return {"output_type": "display_data", "data": data, "metadata": {}}
+
+
+class BackgroundRun:
+    """The shared panel mechanism; a panel subclass provides ``controls`` (a widget),
+    ``plan()`` (check the controls; return a one-line description or raise ValueError with the
+    fix), ``execute(cancel)`` (run, return results) and ``render(results)`` (what to draw)."""
+
+    controls: W.Widget
+
+    def __init__(self):
+        self.error: BaseException | None = None
+        self.stopped_by: str | None = None
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play")
+        self.stop_button = W.Button(description="Stop", icon="stop", disabled=True)
+        self.status, self.bars, self.out = W.HTML(), W.VBox(), W.Output()
+        self.run_button.on_click(lambda _: self.start())
+        self.stop_button.on_click(lambda _: self.stop("the Stop button"))
+
+    def layout(self) -> W.Widget:
+        buttons = W.VBox([self.run_button, self.stop_button])
+        return W.VBox([W.HBox([self.controls, buttons]), self.status, self.bars, self.out])
+
+    def _ipython_display_(self):             # a panel as a cell's last line shows the widget
+        from IPython.display import display
+        display(self.widget)
+
+    # ---- what a click does ------------------------------------------------------------------
+
+    def start(self) -> threading.Thread | None:
+        """Run in a background thread (what the Run button does)."""
+        if self._thread is not None and self._thread.is_alive():
+            return self._thread
+        _listen_for_interrupt()
+        self._thread = threading.Thread(target=self.run, daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stop(self, by: str = "Stop") -> None:
+        self.stopped_by = by
+        self._cancel.set()
+
+    def interrupt(self) -> None:
+        self.stop("the kernel's Interrupt")
+
+    def run(self):
+        """Run the current settings in this thread; the results, or None if stopped or failed."""
+        self._cancel.clear()
+        self.error, self.stopped_by = None, None
+        try:
+            description = self.plan()
+        except ValueError as exc:                  # bad input: said before anything runs
+            self._fail(exc)
+            return None
+        self.bars.children = []
+        self.status.value = f"running {description}"
+        self.run_button.disabled, self.stop_button.disabled = True, False
+        _RUNNING.add(self)
+        try:
+            results = self.execute(self._cancel)
+            self.show(*self.render(results))
+            self.status.value = self.done_message(results)
+            return results
+        except LaunchCancelled:
+            kept = self.partial()
+            if kept is not None:                   # runs that finished are never thrown away
+                self.show(*self.render(kept))
+            self.status.value = (f"<b>stopped</b> by {self.stopped_by or 'Stop'}: every rank was "
+                                 f"terminated{'; showing the runs that had finished' if kept is not None else ''}")
+        except Exception as exc:                   # shown in the panel; kept for the caller
+            self._fail(exc)
+        finally:
+            _RUNNING.discard(self)
+            self.run_button.disabled, self.stop_button.disabled = False, True
+        return None
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.bars.children = []                    # no stale progress under an error
+        self.status.value = f"<b style='color:#b00'>error</b>: {html.escape(str(exc))}"
+
+    # ---- drawing ------------------------------------------------------------------------------
+
+    def show(self, *objs) -> None:
+        """Replace what the panel shows (works from any thread: see the module docstring)."""
+        self.out.outputs = tuple(mime_output(o) for o in objs)
+
+    def progress_bars(self, labels: list[str], total: int) -> list[tuple[W.IntProgress, W.HTML]]:
+        rows = [(W.IntProgress(value=0, max=total, description=label,
+                               style={"description_width": "initial"},
+                               layout={"width": "420px"}), W.HTML()) for label in labels]
+        self.bars.children = [W.HBox(list(r)) for r in rows]
+        return rows
+
+    # ---- what a panel provides ----------------------------------------------------------------
+
+    def plan(self) -> str:
+        raise NotImplementedError
+
+    def execute(self, cancel: threading.Event):
+        raise NotImplementedError
+
+    def render(self, results) -> list:
+        raise NotImplementedError
+
+    def partial(self):
+        """What finished before a Stop (None: nothing)."""
+        return None
+
+    def done_message(self, results) -> str:
+        return "done"

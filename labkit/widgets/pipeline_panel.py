@@ -1,0 +1,113 @@
+"""The pipeline panel: stages, micro-batches, schedule, implementation and steps, Run/Stop, live
+per-stage progress, then the last step's timeline measured, predicted and by the closed form."""
+from __future__ import annotations
+
+import threading
+
+import ipywidgets as W
+
+from .. import experiment, timeline
+from ..config import PIPELINE_STRATEGIES, RunConfig
+from .base import BackgroundRun
+
+
+class PipelinePanel(BackgroundRun):
+    """Sliders for P, M and steps, a schedule and impl picker, Run/Stop, and a Gantt chart."""
+
+    def __init__(self, base: RunConfig, max_stages: int = 4):
+        super().__init__()
+        self.base = base
+        self.result: experiment.RunResult | None = None
+        self.figure = None
+        style = {"description_width": "initial"}
+        self.stages = W.IntSlider(value=base.stages, min=1, max=max_stages, description="stages P",
+                                  style=style)
+        self.microbatches = W.Dropdown(options=[1, 2, 4, 8, 16], value=base.microbatches,
+                                       description="micro-batches M", style=style,
+                                       layout={"width": "220px"})
+        self.steps = W.IntSlider(value=base.steps, min=2, max=100, description="steps",
+                                 style=style)
+        self.schedule = W.Dropdown(options=list(PIPELINE_STRATEGIES), value=base.strategy,
+                                   description="schedule", style=style,
+                                   layout={"width": "260px"})
+        self.impl = W.ToggleButtons(options=["scratch", "torch"], value=base.pipeline_impl,
+                                    style={"button_width": "80px"})
+        self.controls = W.HBox([W.VBox([self.stages, self.microbatches, self.steps]),
+                                W.VBox([self.schedule, W.HBox([W.Label("impl"), self.impl])])])
+        self.widget = self.layout()
+        for control in (self.stages, self.microbatches, self.steps, self.schedule, self.impl):
+            control.observe(lambda _: self._check_controls(), names="value")
+        self._check_controls()
+
+    def config(self) -> RunConfig:
+        P, naive = self.stages.value, self.schedule.value == "model_parallel"
+        return self.base.replace(strategy=self.schedule.value, world_size=P, stages=P,
+                                 microbatches=1 if naive else self.microbatches.value,
+                                 steps=self.steps.value, pipeline_impl=self.impl.value)
+
+    def plan(self) -> str:
+        cfg = self.config()                        # raises ValueError with the fix
+        return f"{cfg.strategy} P={cfg.stages} M={cfg.microbatches} ({cfg.pipeline_impl})"
+
+    def _check_controls(self) -> None:
+        naive = self.schedule.value == "model_parallel"
+        self.microbatches.disabled = naive         # the naive split runs one micro-batch
+        self.impl.disabled = naive
+        try:
+            plan = self.plan()
+        except ValueError as exc:
+            self.run_button.disabled = True
+            self.bars.children = []
+            self.status.value = f"<span style='color:#b00'>cannot run: {exc}</span>"
+            return
+        self.run_button.disabled = bool(self._thread and self._thread.is_alive())
+        self.status.value = f"ready: {plan}"
+
+    def execute(self, cancel: threading.Event) -> experiment.RunResult:
+        cfg = self.config()
+        rows = self.progress_bars([f"stage {r}" for r in range(cfg.ranks)], cfg.steps)
+
+        def progress(rank: int, metrics: dict) -> None:
+            bar, text = rows[rank]
+            bar.value = metrics["step"]
+            text.value = f"step {metrics['step']}/{metrics['total']}"
+
+        self.result = experiment.run(cfg, on_progress=progress, cancel=cancel)
+        return self.result
+
+    def render(self, result: experiment.RunResult) -> list:
+        cfg = result.cfg
+        self.figure = timeline.gantt_vs_theory(last_step_events(result.records),
+                                               result.records["schedule"].iloc[0], cfg.stages,
+                                               cfg.microbatches)
+        notes = "".join(f"<p style='color:#555'>{n}</p>" for n in result.notes
+                        if "latency-bound" in n)
+        return [notes, self.figure] if notes else [self.figure]
+
+    def bubble(self) -> float:
+        """Median over steps of the stages' mean idle share in the last run."""
+        return float(experiment.step_bubbles(self.result.records).median())
+
+    def done_message(self, result: experiment.RunResult) -> str:
+        df = result.records
+        predicted = experiment.step_bubbles(df, column="bubble_predicted").median()
+        return (f"done: {self.plan()}, median bubble measured {self.bubble():.2f}, predicted "
+                f"{predicted:.2f}, closed form {df['bubble_theory'].iloc[0]:.2f}")
+
+
+def last_step_events(records) -> list[dict]:
+    """Every stage's events of the last measured step, on the shared clock."""
+    last = records[records["step"] == records["step"].max()]
+    return [e for evs in last["events"] for e in evs]
+
+
+def pipeline_panel(base: RunConfig | None = None, *, run_now: bool = False,
+                   max_stages: int = 4) -> PipelinePanel:
+    """Build the panel. Display it, then ``panel.run()`` runs the default settings once in the
+    cell; ``run_now=True`` runs them before returning instead."""
+    panel = PipelinePanel(base or RunConfig(strategy="pipeline_1f1b"), max_stages)
+    if run_now:
+        panel.run()
+        if panel.error is not None:
+            raise panel.error
+    return panel
