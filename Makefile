@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 
-.PHONY: install demo test test-py test-nb lab bench clean
+.PHONY: install demo test test-py test-nb test-browser chromium lab bench clean
 
 install: $(STAMP)
 
@@ -19,19 +19,31 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)          ## environment report, strategy comparison, equivalence check
 	$(BIN)/python -m labkit demo
 
-test: test-py test-nb   ## pytest, then every notebook under nbval
+test: test-py test-nb test-browser   ## pytest, every notebook under nbval, the browser test
 
 test-py: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --ignore=tests/test_browser.py
 
 test-nb: $(STAMP)
 	$(BIN)/python -m pytest $(NBVAL) notebooks
+
+test-browser: $(STAMP) chromium   ## JupyterLab in headless Chromium: Run All, then click
+	$(BIN)/python -m pytest -ra tests/test_browser.py
+
+chromium:               ## Debian's Chromium (Playwright cannot download its own browser here)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+		echo "no Chromium: the browser test will be skipped; install it: sudo apt-get install -y chromium"; \
+	fi
 
 lab: $(STAMP)           ## JupyterLab on notebooks/, with a "labkit" kernel for this venv
 	$(BIN)/python -m ipykernel install --user --name labkit --display-name "labkit (.venv)"
 	$(BIN)/jupyter lab notebooks
 
-bench: $(STAMP)
+bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (not a dependency)
+	$(BIN)/python -m pip install -q accelerate
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/ddp_overhead.py
 

@@ -36,6 +36,14 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per launch")
 
 
+# RunConfig field -> the flag that sets it, so a config error can name what to type instead
+FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-batch", "lr": "--lr",
+         "seed": "--seed", "model": "--model", "width": "--width", "depth": "--depth",
+         "dataset_size": "--dataset-size", "device": "--device", "backend": "--backend",
+         "threads": "--threads", "stages": "--stages", "microbatches": "--microbatches",
+         "pipeline_impl": "--pipeline-impl", "timeout_s": "--timeout", "world_size": "--world-size"}
+
+
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
     fields = dict(steps=args.steps, warmup=args.warmup, global_batch=args.global_batch, lr=args.lr,
                   seed=args.seed, model=args.model, width=args.width, depth=args.depth,
@@ -43,11 +51,35 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   threads=args.threads, stages=args.stages, microbatches=args.microbatches,
                   pipeline_impl=args.pipeline_impl, balance=args.balance, timeout_s=args.timeout)
     fields.update(override)
-    return RunConfig(**fields)
+    try:
+        return RunConfig(**fields)
+    except ValueError as exc:
+        flag = next((f for name, f in FLAGS.items() if str(exc).startswith(name)), None)
+        raise ValueError(f"{flag}: {exc}" if flag else str(exc)) from None
 
 
-def _csv(text: str, cast=str) -> list:
-    return [cast(t) for t in text.split(",") if t.strip()]
+def _csv(text: str, cast=str, flag: str = "") -> list:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{flag} is empty: give at least one value, e.g. {flag} "
+                         f"{'1,2' if cast is int else 'single,ddp'}")
+    try:
+        return [cast(t) for t in items]
+    except ValueError:
+        bad = next(t for t in items if not t.lstrip("-").isdigit())
+        raise ValueError(f"{flag} {text!r}: {bad!r} is not a whole number") from None
+
+
+def _writable(flag: str, path: str | None) -> None:
+    """Refuse an output path before anything runs (not after the run, losing it)."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist: create it or "
+                         f"choose another path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def cmd_env(args) -> int:
@@ -58,13 +90,38 @@ def cmd_env(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from . import experiment, plots
+    from . import experiment
+    _writable("--json", args.json)
+    _writable("--html", args.html)
     base = config_from_args(args, strategy="single", world_size=1)
-    configs = experiment.grid(base, _csv(args.strategies), _csv(args.world_sizes, int))
+    configs = experiment.grid(base, _csv(args.strategies, flag="--strategies"),
+                              _csv(args.world_sizes, int, flag="--world-sizes"))
     print(f"running {len(configs)} configurations: "
           + ", ".join(experiment.config_label(c) for c in configs), flush=True)
-    with _Progress() as progress:
-        records = experiment.compare(configs, on_progress=progress.update)
+    finished = []
+    try:
+        with _Progress() as progress:
+            experiment.compare(configs, on_progress=progress.update,
+                               on_result=lambda res: _finished(res, finished))
+    except KeyboardInterrupt:         # the launcher has stopped every rank; keep what finished
+        print(f"labkit: interrupted: every rank stopped; {len(finished)} of {len(configs)} "
+              f"configurations had finished" + (", written below" if finished else ""),
+              file=sys.stderr, flush=True)
+        if finished:
+            _report(args, base, experiment.combine(finished))
+        return 130
+    return _report(args, base, experiment.combine(finished))
+
+
+def _finished(res, finished: list) -> None:
+    from .experiment import config_label
+    finished.append(res)
+    print(f"finished {config_label(res.cfg)} ({len(res.records)} records)", flush=True)
+
+
+def _report(args, base: RunConfig, records) -> int:
+    """Print the table and its reading; write the records and the HTML report if asked."""
+    from . import experiment, plots
     table = experiment.summarize(records)
     _print_table(table)
     for key, notes in records.attrs.get("notes", {}).items():
@@ -87,9 +144,15 @@ def cmd_compare(args) -> int:
 def cmd_check(args) -> int:
     from . import experiment
     base = config_from_args(args, strategy="single", world_size=1)
-    result = experiment.check(base, _csv(args.strategies), args.world_size, steps=args.steps,
-                              tol=args.tol)
-    print(result.to_string(index=False))
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    if not args.tol > 0:
+        raise ValueError(f"--tol must be positive, got {args.tol}")
+    result = experiment.check(base, _csv(args.strategies, flag="--strategies"), args.world_size,
+                              steps=args.steps, tol=args.tol)
+    print(result.drop(columns=["why"]).to_string(index=False))
+    for _, row in result[result["why"] != ""].iterrows():
+        print(f"note ({row['strategy']}): {row['why']}")
     bad = result[~result["ok"]]
     if len(bad):
         print(f"FAILED: {', '.join(bad['strategy'])} differ from single by more than {args.tol:g}")
@@ -104,7 +167,7 @@ def cmd_demo(args) -> int:
     report = probe()
     print("== environment\n" + str(report) + "\n", flush=True)
     sizes = sorted({1, *[w for w in (2, 4, 8) if w <= max(2, report.max_world_size)]})
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)      # (--out is a folder labkit creates)
     compare_args = argparse.Namespace(**{**vars(args), "strategies": args.strategies,
                                          "world_sizes": ",".join(map(str, sizes)),
                                          "json": os.path.join(args.out, "demo.json"),
@@ -201,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
             return args.func(args)
-    except ValueError as exc:             # bad input: one line saying what to change
+    except (ValueError, TypeError) as exc:    # bad input: one line saying what to change
         print(f"labkit: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                 # every rank was stopped by the launcher
+        print("labkit: interrupted: every rank stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -201,19 +201,21 @@ def compare(configs: Iterable[RunConfig], *, model_fn=None, data_fn=None, loss_f
             on_result: Callable[[RunResult], None] | None = None,
             cancel: threading.Event | None = None) -> pd.DataFrame:
     """Run each config in turn; return all records in one DataFrame (notes in ``.attrs``)."""
-    frames, notes = [], {}
+    results = []
     for cfg in configs:
         cb = None if on_progress is None else (lambda r, m, cfg=cfg: on_progress(cfg, r, m))
         res = run(cfg, model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn,
                   optimizer_fn=optimizer_fn, on_progress=cb, cancel=cancel)
-        frames.append(res.records)
-        if res.notes:
-            notes[run_label(cfg.strategy, cfg.world_size, res.records["threads"].iloc[0])] = \
-                res.notes
+        results.append(res)
         if on_result is not None:
             on_result(res)
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    df.attrs["notes"] = notes
+    return combine(results)
+
+
+def combine(results: Sequence[RunResult]) -> pd.DataFrame:
+    """Several runs' records in one DataFrame, each run's notes in ``.attrs["notes"]``."""
+    df = pd.concat([r.records for r in results], ignore_index=True) if results else pd.DataFrame()
+    df.attrs["notes"] = {config_label(r.cfg): r.notes for r in results if r.notes}
     return df
 
 
@@ -274,6 +276,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
                 zip(med["strategy"], med["world_size"], med["threads"])],
         "strategy": med["strategy"], "world_size": med["world_size"].astype(int),
         "threads": med["threads"].astype(int),
+        "device": med["device"] if "device" in med else "cpu",
         "step_ms": 1e3 * med["step_s"], "samples_per_s": med["global_batch"] / med["step_s"],
         "comm_ms": 1e3 * med["comm_s"], "comm_share": med["comm_s"] / med["step_s"]})
     runs = _runs(records)

@@ -9,6 +9,7 @@ import math
 
 import pandas as pd
 
+from .config import STRATEGY_RANKS
 from .experiment import BUSY_SHARE
 
 
@@ -85,6 +86,10 @@ def explain(table: pd.DataFrame) -> str:
                 f"schedule simulated on this run's measured stage times, hand-offs and dispatch "
                 f"predicted {_pct(row['bubble_predicted'])}, the closed form "
                 f"(P-1)/(M+P-1) {_pct(row['bubble_theory'])} (it counts hand-offs as free).")
+            continue
+        if STRATEGY_RANKS[row["strategy"]] == "one" and str(row["device"]).startswith("cpu"):
+            lines.append(f"{row['run']} is one process: DataParallel splits a batch over GPUs "
+                         f"only, so on CPU it is single, and its speed-up is noise.")
             continue
         if math.isnan(row["speedup_same_cores"]):
             continue

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -83,3 +84,75 @@ def test_worker_without_torchrun_says_how_to_start_it():
     r = subprocess.run([PY, "-m", "labkit.worker", "--strategy", "ddp"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 2 and "torchrun" in r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["compare", "--json", "/nonexistent/dir/x.json"], ["--json", "does not exist"]),
+    (["compare", "--html", "/nonexistent/dir/x.html"], ["--html", "does not exist"]),
+    (["compare", "--world-sizes", ""], ["--world-sizes is empty"]),
+    (["compare", "--world-sizes", "2,x"], ["--world-sizes", "'x' is not a whole number"]),
+    (["compare", "--strategies", ""], ["--strategies is empty"]),
+    (["compare", "--lr", "-1"], ["--lr", "lr must be positive"]),
+    (["compare", "--global-batch", "0"], ["--global-batch", "global_batch must be at least 1"]),
+    (["check", "--strategies", "ddp,foo"], ["unknown strategy 'foo'"]),
+    (["check", "--tol", "0"], ["--tol must be positive"]),
+])
+def test_every_argument_is_checked_before_anything_runs(args, words):
+    r = labkit(args[0], *SMALL, "--steps", "2", *args[1:], timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "running" not in r.stdout   # nothing was launched
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def test_ctrl_c_stops_every_rank_and_keeps_what_finished(tmp_path):
+    import signal
+    import psutil
+    from tests.helpers.procs import wait_gone
+    out, html = tmp_path / "out.json", tmp_path / "out.html"
+    proc = subprocess.Popen([PY, "-m", "labkit", "compare", "--strategies", "single,ddp",
+                             "--world-sizes", "2", "--steps", "3000", *SMALL[:-2], "--warmup",
+                             "0", "--json", str(out), "--html", str(html)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stdout:                  # wait until single has finished (ddp is running)
+        seen.append(line)
+        if line.startswith("finished single (1 thread)"):
+            break
+    time.sleep(2)                             # ddp@2's ranks are up and training
+    children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == [
+        "labkit: interrupted: every rank stopped; 2 of 3 configurations had finished, "
+        "written below"], stderr
+    payload = json.loads(out.read_text())
+    assert {r["strategy"] for r in payload["records"]} == {"single"}   # the finished runs
+    assert "plotly" in html.read_text()[:5_000_000]
+    assert not wait_gone(children, 10), "processes outlived the interrupted compare"
+
+
+def test_torchrun_pipeline_progress_comes_from_the_last_stage_in_measured_steps(tmp_path):
+    out = tmp_path / "run.json"
+    r = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "labkit.worker", "--strategy", "pipeline_gpipe", "--stages", "2",
+                        "--steps", "5", *SMALL, "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pipeline_gpipe: step 5/5 loss " in r.stdout and "nan" not in r.stdout, r.stdout
+    payload = json.loads(out.read_text())
+    assert {"oversubscribed", "loss", "bubble_predicted"} <= set(payload["records"][0])
+    assert payload["meta"]["notes"], payload["meta"]        # the stage layout, at least
+
+
+def test_torchrun_config_errors_are_said_once_with_a_fix_that_applies():
+    r = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "labkit.worker", "--strategy", "single", *SMALL],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    said = (r.stdout + r.stderr).count("labkit.worker: error:")
+    assert said == 1 and "--nproc-per-node 1" in r.stderr, r.stderr
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr

@@ -1,0 +1,255 @@
+"""The notebooks as a person uses them: JupyterLab in a real browser (headless Chromium driven by
+Playwright), Run All, then change a control, click Run, watch, Stop, Interrupt.
+
+nbval runs every cell, but it never clicks: a panel's Run button runs in a background thread,
+where what draws and what does not differs from a cell (see labkit/widgets/base.py). Screenshots
+land in out/ (browser-*.png) so a failure can be looked at.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "out"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: install it with `apt-get install "
+                       "-y chromium` (make test-browser does, as root on Debian)"),
+]
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab on loopback over a copy of the notebooks, with this interpreter's kernel."""
+    root = tmp_path_factory.mktemp("lab")
+    for nb in ("01_data_parallel.ipynb", "02_model_parallel.ipynb"):
+        shutil.copy(REPO / "notebooks" / nb, root / nb)
+    home = tmp_path_factory.mktemp("jupyter")     # no user settings, kernels or news pop-ups
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"),
+           "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_RUNTIME_DIR": str(home / "run"),
+           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
+    # render every cell (JupyterLab 4 otherwise draws only those in view) and ask about no news
+    settings = home / "settings"
+    for plugin, value in (("notebook-extension/tracker", '{"windowingMode": "none"}'),
+                          ("apputils-extension/notification", '{"fetchNews": "false"}')):
+        path = settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(16)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
+         "--ip=127.0.0.1", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, 60)
+        yield {"url": f"http://127.0.0.1:{port}", "token": token, "server": server}
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def _wait_for_port(port: int, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"JupyterLab did not listen on port {port} within {timeout} s")
+
+
+def open_and_run_all(browser, lab, name: str, timeout_s: float = 240):
+    """Open a notebook at 1280 px with the file browser open, Run All, wait for the last cell."""
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    try:                                   # "Select Kernel" on first open: keep python3
+        page.click(".jp-Dialog button:has-text('Select')", timeout=5_000)
+    except Exception:
+        pass
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+    page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+    deadline, idle_since = time.time() + timeout_s, None
+    while time.time() < deadline:          # done: every code cell numbered, kernel idle 3 s
+        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+        done = (idle and prompts and re.search(r"\[\d+\]", prompts[-1])
+                and not any("[*]" in p for p in prompts))
+        idle_since = (idle_since or time.time()) if done else None
+        if idle_since and time.time() - idle_since > 3:
+            break
+        time.sleep(0.5)
+    else:
+        page.screenshot(path=str(OUT / f"browser-{name[:2]}-timeout.png"), full_page=True)
+        raise AssertionError(f"{name}: Run All did not finish within {timeout_s} s")
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+                          ).all_inner_texts()
+    tracebacks = [e for e in errors if "Traceback" in e or re.search(r"^\w+Error\b", e, re.M)]
+    page.screenshot(path=str(OUT / f"browser-{name[:2]}-run-all.png"), full_page=True)
+    assert not tracebacks, tracebacks[0][:2000]
+    assert page.locator(".jp-OutputArea .js-plotly-plot").count() > 0, "no chart rendered"
+    return page
+
+
+def panel_status(page) -> str:
+    return " | ".join(page.locator(".widget-html-content").all_inner_texts())
+
+
+def wait_status(page, pattern: str, timeout_s: float) -> str:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        text = panel_status(page)
+        if re.search(pattern, text):
+            return text
+        time.sleep(0.2)
+    raise AssertionError(f"status never matched {pattern!r}; it said: {panel_status(page)}")
+
+
+def bar_fractions(page) -> list[float]:
+    """How full each progress bar in the page is (0..1)."""
+    return page.evaluate("""() => [...document.querySelectorAll('.widget-hprogress .progress-bar')]
+        .map(b => b.getBoundingClientRect().width / b.parentElement.getBoundingClientRect().width)""")
+
+
+def panel_output(page) -> str:
+    """The text of the panel's Output widget: its table and its charts' titles and legends."""
+    return " ".join(page.locator(".widget-output").all_inner_texts())
+
+
+def run_and_watch_bars(page, button, stop) -> float:
+    """Click Run on a long run; return the fullest partial bar seen, then stop it."""
+    page.click(button)
+    seen, deadline = 0.0, time.time() + 60
+    while time.time() < deadline and not 0.02 < seen < 0.98:
+        fractions = [f for f in bar_fractions(page) if 0.02 < f < 0.98]
+        seen = max(fractions, default=seen)
+        time.sleep(0.1)
+    t0 = time.time()
+    stop()
+    return seen, t0
+
+
+def kernel_ranks(lab) -> list[psutil.Process]:
+    """Rank processes still alive under the kernel (children of its forkserver)."""
+    ranks = []
+    for p in psutil.Process(lab["server"].pid).children(recursive=True):
+        try:
+            parent = p.parent()
+            if parent and any("forkserver" in part for part in parent.cmdline()) \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                ranks.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return ranks
+
+
+def test_data_parallel_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "01_data_parallel.ipynb")
+    assert page.locator(".widget-output .js-plotly-plot").count() >= 2   # the panel's charts
+    assert "ddp@2" in panel_output(page)
+
+    # as a person: pick one strategy, Run, and the panel redraws with that run
+    page.select_option(".widget-select-multiple select", ["ddp_naive"])
+    wait_status(page, r"ready: .*ddp_naive@2", 10)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"done: ", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-01-after-run.png"), full_page=True)
+    assert "ddp_naive@2" in shown and "ddp@2" not in shown.replace("ddp_naive@2", ""), shown[:800]
+
+    # a world size that does not divide the batch is refused before a run, not after
+    world, steps = (page.locator(".widget-slider .noUi-handle").nth(i) for i in (0, 1))
+    world.focus()
+    page.keyboard.press("End")                                     # world sizes 1, 2, 4
+    page.fill(".widget-text input", "30")
+    page.keyboard.press("Enter")
+    wait_status(page, r"cannot run: .*not divisible by world size 4", 10)
+    assert page.locator(".widget-button:has-text('Run')").is_disabled()
+    page.fill(".widget-text input", "128")
+    page.keyboard.press("Enter")
+    world.focus()
+    page.keyboard.press("Home")
+    page.keyboard.press("ArrowRight")                              # back to 2
+    wait_status(page, r"ready: ddp_naive@1, ddp_naive@2", 10)
+
+    # a longer run: its bars move, and Stop stops it within a second or two
+    steps.focus()
+    page.keyboard.press("End")                                     # 200 steps
+    seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')",
+                                  lambda: page.click(".widget-button:has-text('Stop')"))
+    wait_status(page, r"stopped</?b?>? by the Stop button|stopped by the Stop button", 10)
+    stop_s = time.time() - t0
+    page.screenshot(path=str(OUT / "browser-01-stopped.png"), full_page=True)
+    assert seen > 0.02, "no progress bar moved during the run"
+    assert stop_s < 5, f"Stop took {stop_s:.1f} s"
+
+    # the kernel's Interrupt (Kernel menu) stops a panel run too
+    def interrupt():
+        page.click(".lm-MenuBar-itemLabel:text-is('Kernel')")
+        page.click(".lm-Menu-itemLabel:text-is('Interrupt Kernel')")
+    seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')", interrupt)
+    wait_status(page, r"by the kernel's Interrupt", 10)
+    page.screenshot(path=str(OUT / "browser-01-interrupted.png"), full_page=True)
+    assert time.time() - t0 < 5
+    time.sleep(1)
+    left = kernel_ranks(lab)
+    assert not left, f"rank processes left behind: {[p.pid for p in left]}"
+    page.close()
+
+
+def test_pipeline_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "02_model_parallel.ipynb")
+    assert "measured (1f1b, P=2, M=4)" in panel_output(page)
+
+    # as a person: GPipe with 8 micro-batches, Run, and the Gantt names the new run
+    selects = page.locator(".widget-dropdown select")
+    selects.nth(1).select_option("pipeline_gpipe")                 # schedule
+    selects.nth(0).select_option("8")                              # micro-batches
+    wait_status(page, r"ready: pipeline_gpipe P=2 M=8", 10)
+    page.click(".widget-button:has-text('Run')")
+    status = wait_status(page, r"done: pipeline_gpipe P=2 M=8", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-02-after-run.png"), full_page=True)
+    assert "measured (gpipe, P=2, M=8)" in shown and "predicted" in shown, shown[:800]
+    assert "closed form" in status
+
+    # model_parallel runs one micro-batch: the panel says so instead of promising M=8
+    selects.nth(1).select_option("model_parallel")
+    wait_status(page, r"ready: model_parallel P=2 M=1", 10)
+    assert selects.nth(0).is_disabled()
+    time.sleep(1)
+    assert not kernel_ranks(lab)
+    page.close()
