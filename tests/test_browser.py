@@ -91,7 +91,8 @@ def _wait_for_port(port: int, timeout: float) -> None:
 def open_and_run_all(browser, lab, name: str, timeout_s: float = 240):
     """Open a notebook at 1280 px with the file browser open, Run All, wait for the last cell."""
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
-    page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}")
+    # a workspace of its own: only this notebook open, so selectors cannot match another one
+    page.goto(f"{lab['url']}/lab/workspaces/{name[:2]}/tree/{name}?reset&token={lab['token']}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     try:                                   # "Select Kernel" on first open: keep python3
         page.click(".jp-Dialog button:has-text('Select')", timeout=5_000)
