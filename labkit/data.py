@@ -11,7 +11,6 @@ from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchvision.transforms import v2
 
 from .config import RunConfig
 
@@ -57,8 +56,10 @@ class SyntheticImages(Dataset):
         return self.transform(self.images[i]), self.y[i]
 
 
-def image_transform() -> v2.Compose:
-    # v2 works on tensors directly: uint8 -> float in [0, 1] -> roughly zero-mean.
+def image_transform():
+    # v2 works on tensors directly: uint8 -> float in [0, 1] -> roughly zero-mean. Imported here:
+    # torchvision costs ~2 s to import, and only the image models need it.
+    from torchvision.transforms import v2
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5], [0.5])])
 
 

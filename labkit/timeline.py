@@ -14,9 +14,7 @@ import statistics
 import time
 from typing import Iterable, Sequence
 
-import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 from torch import nn
 
 from .predict.schedule import (ScheduleCosts, simulate,  # noqa: F401 (re-exported)
@@ -113,9 +111,10 @@ def stage_costs(costs: Sequence[float], bounds: Sequence[int]) -> list[float]:
     return [sum(costs[a:b]) for a, b in zip(bounds, ends)]
 
 
-# ---- figures (returned, never shown) -----------------------------------------------------------
+# ---- figures (returned, never shown; plotly is imported by each, so ranks never load it) ----------
 
 def _gantt_traces(events: Sequence[dict], show_legend: bool = True) -> list[go.Bar]:
+    import plotly.graph_objects as go  # plotly loads only for figures
     traces = []
     for kind, name in (("F", "forward"), ("B", "backward")):
         evs = [e for e in events if e["kind"] == kind]
@@ -130,6 +129,7 @@ def _gantt_traces(events: Sequence[dict], show_legend: bool = True) -> list[go.B
 
 def gantt(events: Sequence[dict], title: str = "pipeline timeline", unit: str = "s") -> go.Figure:
     """A Gantt chart of one step's events: one row per stage, micro-batch numbers on the bars."""
+    import plotly.graph_objects as go  # plotly loads only for figures
     fig = go.Figure(_gantt_traces(events))
     fig.update_layout(title=title, barmode="overlay", xaxis_title=f"time ({unit})",
                       yaxis=dict(autorange="reversed"), height=120 + 50 * _n_stages(events))
@@ -141,6 +141,9 @@ def gantt_vs_theory(events: Sequence[dict], schedule: str, stages: int,
     """One step three ways: measured (top); predicted, i.e. the schedule simulated on this
     step's measured stage times, hand-offs and dispatch; and the closed form's ideal, equal
     stages with the same mean F/B times and free hand-offs."""
+    import plotly.graph_objects as go  # plotly loads only for figures
+    from plotly.subplots import make_subplots
+
     from .predict.schedule import costs_from_steps, predict_step
     f = [e["end"] - e["start"] for e in events if e["kind"] == "F"] or [1.0]
     b = [e["end"] - e["start"] for e in events if e["kind"] == "B"] or [2.0]
@@ -186,6 +189,7 @@ def bubble_table(records, min_cpu_share: float | None = 0.9):
 
 def bubble_vs_microbatches(table, stages: int) -> go.Figure:
     """Measured bubble fraction against M (points per schedule) with the theory curve."""
+    import plotly.graph_objects as go  # plotly loads only for figures
     fig = go.Figure()
     for schedule, g in table.groupby("schedule"):
         fig.add_trace(go.Scatter(x=g["microbatches"], y=g["bubble_fraction"],
@@ -204,6 +208,7 @@ def bubble_vs_microbatches(table, stages: int) -> go.Figure:
 
 def activation_memory(table, column: str = "activations_peak") -> go.Figure:
     """Activations held per stage (micro-batches or bytes), one bar group per schedule."""
+    import plotly.graph_objects as go  # plotly loads only for figures
     fig = go.Figure()
     for schedule, g in table.groupby("schedule"):
         fig.add_trace(go.Bar(x=[f"stage {s}" for s in g["stage"]], y=g[column], name=str(schedule)))
@@ -215,6 +220,7 @@ def activation_memory(table, column: str = "activations_peak") -> go.Figure:
 
 def stage_times(before: Sequence[float], after: Sequence[float]) -> go.Figure:
     """Per-stage cost before and after balancing: the slowest stage sets the pipeline's pace."""
+    import plotly.graph_objects as go  # plotly loads only for figures
     fig = go.Figure([
         go.Bar(x=[f"stage {i}" for i in range(len(before))], y=before, name="equal layer counts"),
         go.Bar(x=[f"stage {i}" for i in range(len(after))], y=after, name="balanced by cost")])
