@@ -112,3 +112,12 @@ def test_pipeline_panel_controls_and_redraw():
     assert panel.result.cfg.steps == 3
     assert "measured (gpipe, P=2, M=4)" in shown(panel) and "predicted" in shown(panel)
     assert "predicted" in panel.status.value and "closed form" in panel.status.value
+
+
+def test_a_panel_trains_your_own_model():
+    from torch import nn
+    panel = run_panel(SMALL, selected=("ddp",), run_now=True,
+                      model_fn=lambda cfg: nn.Sequential(nn.Linear(32, 7), nn.Tanh(),
+                                                         nn.Linear(7, 10)))
+    assert panel.error is None and "done" in panel.status.value
+    assert (panel.records["comm_bytes"] == 4 * (32 * 7 + 7 + 7 * 10 + 10)).all()

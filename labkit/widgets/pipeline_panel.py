@@ -14,9 +14,10 @@ from .base import BackgroundRun
 class PipelinePanel(BackgroundRun):
     """Sliders for P, M and steps, a schedule and impl picker, Run/Stop, and a Gantt chart."""
 
-    def __init__(self, base: RunConfig, max_stages: int = 4):
+    def __init__(self, base: RunConfig, max_stages: int = 4, factories: dict | None = None):
         super().__init__()
         self.base = base
+        self.factories = factories or {}        # model_fn, data_fn, loss_fn, optimizer_fn
         self.result: experiment.RunResult | None = None
         self.figure = None
         style = {"description_width": "initial"}
@@ -72,7 +73,7 @@ class PipelinePanel(BackgroundRun):
             bar.value = metrics["step"]
             text.value = f"step {metrics['step']}/{metrics['total']}"
 
-        self.result = experiment.run(cfg, on_progress=progress, cancel=cancel)
+        self.result = experiment.run(cfg, on_progress=progress, cancel=cancel, **self.factories)
         return self.result
 
     def render(self, result: experiment.RunResult) -> list:
@@ -102,10 +103,11 @@ def last_step_events(records) -> list[dict]:
 
 
 def pipeline_panel(base: RunConfig | None = None, *, run_now: bool = False,
-                   max_stages: int = 4) -> PipelinePanel:
+                   max_stages: int = 4, **factories) -> PipelinePanel:
     """Build the panel. Display it, then ``panel.run()`` runs the default settings once in the
-    cell; ``run_now=True`` runs them before returning instead."""
-    panel = PipelinePanel(base or RunConfig(strategy="pipeline_1f1b"), max_stages)
+    cell; ``run_now=True`` runs them before returning instead. ``model_fn`` etc.: your own
+    pieces (``labkit.factories``)."""
+    panel = PipelinePanel(base or RunConfig(strategy="pipeline_1f1b"), max_stages, factories)
     if run_now:
         panel.run()
         if panel.error is not None:

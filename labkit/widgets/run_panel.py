@@ -24,8 +24,10 @@ class RunPanel(BackgroundRun):
 
     def __init__(self, base: RunConfig, strategies: Sequence[str], selected: Sequence[str],
                  max_world_size: int | None = None,
-                 charts: Callable[[pd.DataFrame, pd.DataFrame], list] | None = None):
+                 charts: Callable[[pd.DataFrame, pd.DataFrame], list] | None = None,
+                 factories: dict | None = None):
         super().__init__()
+        self.factories = factories or {}        # model_fn, data_fn, loss_fn, optimizer_fn
         env = probe()
         self.device = env.device
         top = max_world_size or (env.max_world_size if env.device == "cuda"
@@ -77,7 +79,8 @@ class RunPanel(BackgroundRun):
         configs = self.configs()
         self._live: dict = {}
         records = experiment.compare(configs, on_progress=self._progress, cancel=cancel,
-                                     on_result=lambda r: self.finished.append(r.records))
+                                     on_result=lambda r: self.finished.append(r.records),
+                                     **self.factories)
         self.records, self.table = records, experiment.summarize(records)
         return records
 
@@ -122,11 +125,13 @@ def _default_charts(records: pd.DataFrame, table: pd.DataFrame) -> list:
 
 def run_panel(base: RunConfig | None = None, strategies: Sequence[str] | None = None,
               selected: Sequence[str] = ("single", "ddp"), *, run_now: bool = False,
-              max_world_size: int | None = None, charts=None) -> RunPanel:
+              max_world_size: int | None = None, charts=None, **factories) -> RunPanel:
     """Build the panel. Display it, then ``panel.run()`` runs the default selection once in the
-    cell (its bars move as it goes); ``run_now=True`` runs it before returning instead."""
+    cell (its bars move as it goes); ``run_now=True`` runs it before returning instead.
+    ``model_fn``, ``data_fn``, ``loss_fn``, ``optimizer_fn``: your own pieces
+    (``labkit.factories``)."""
     panel = RunPanel(base or RunConfig(), strategies or list(STRATEGY_RANKS), selected,
-                     max_world_size, charts)
+                     max_world_size, charts, factories)
     if run_now:
         panel.run()
         if panel.error is not None:
