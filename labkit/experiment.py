@@ -19,7 +19,7 @@ from .config import PIPELINE_STRATEGIES, STRATEGY_RANKS, RunConfig
 from .env import cpu_cores, oversubscription, resolve_device
 from .factories import Factories, validate
 from .launch import launch
-from .predict.schedule import ScheduleCosts, costs_from_steps, predict_step
+from .predict.schedule import ScheduleCosts, bubble_per_stage, costs_from_steps, predict_step
 from .probes import TIME_COLUMNS
 from .strategies import run_rank
 from .timeline import theory_bubble
@@ -116,13 +116,13 @@ def _pipeline_columns(df: pd.DataFrame) -> None:
                                   for e in df.at[i, "events"]]
         events = [e for i in g.index for e in df.at[i, "events"]]
         span = max(e["end"] for e in events) - min(e["start"] for e in events)
+        measured = bubble_per_stage(events)          # one formula for both columns
         costs = costs_from_steps([events], P)
         predicted = predict_step(schedule, M, costs)
         for i in g.index:
             s = int(df.at[i, "stage"])
-            busy = df.at[i, "forward_s"] + df.at[i, "backward_s"]
             df.at[i, "span_s"] = span
-            df.at[i, "bubble_fraction"] = max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+            df.at[i, "bubble_fraction"] = measured[s]
             df.at[i, "bubble_predicted"] = predicted["bubble_per_stage"][s]
             df.at[i, "span_predicted_s"] = predicted["span_s"]
             df.at[i, "handoff_s"] = costs.handoff_s[s] if s < P - 1 else math.nan

@@ -153,6 +153,18 @@ class BackgroundRun:
             self.run_button.disabled, self.stop_button.disabled = False, True
         return None
 
+    def check_controls(self, note: str = "") -> None:
+        """Say what Run will do, or why it cannot, before anything runs (on every change)."""
+        try:
+            plan = self.plan()
+        except ValueError as exc:
+            self.run_button.disabled = True
+            self.bars.children = []
+            self.status.value = f"<span style='color:#b00'>cannot run: {html.escape(str(exc))}</span>"
+            return
+        self.run_button.disabled = bool(self._thread and self._thread.is_alive())
+        self.status.value = f"ready: {plan}" + note
+
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         self.bars.children = []                    # no stale progress under an error

@@ -54,15 +54,7 @@ class PipelinePanel(BackgroundRun):
         naive = self.schedule.value == "model_parallel"
         self.microbatches.disabled = naive         # the naive split runs one micro-batch
         self.impl.disabled = naive
-        try:
-            plan = self.plan()
-        except ValueError as exc:
-            self.run_button.disabled = True
-            self.bars.children = []
-            self.status.value = f"<span style='color:#b00'>cannot run: {exc}</span>"
-            return
-        self.run_button.disabled = bool(self._thread and self._thread.is_alive())
-        self.status.value = f"ready: {plan}"
+        self.check_controls()
 
     def execute(self, cancel: threading.Event) -> experiment.RunResult:
         cfg = self.config()

@@ -61,18 +61,8 @@ class RunPanel(BackgroundRun):
         return ", ".join(experiment.config_label(c) for c in configs)
 
     def _check_controls(self) -> None:
-        """Say what Run will do, or why it cannot, before anything runs."""
-        try:
-            plan = self.plan()
-        except ValueError as exc:
-            self.run_button.disabled = True
-            self.bars.children = []
-            self.status.value = f"<span style='color:#b00'>cannot run: {exc}</span>"
-            return
-        self.run_button.disabled = bool(self._thread and self._thread.is_alive())
         warn = oversubscription(self.world.value) if self.device == "cpu" else None
-        self.status.value = f"ready: {plan}" + (
-            f"<br><span style='color:#b00'>{warn}</span>" if warn else "")
+        self.check_controls(f"<br><span style='color:#b00'>{warn}</span>" if warn else "")
 
     def execute(self, cancel: threading.Event) -> pd.DataFrame:
         self.finished = []
