@@ -102,23 +102,27 @@ def open_and_run_all(browser, lab, name: str, timeout_s: float = 240):
     page.click(".lm-MenuBar-itemLabel:text-is('Run')")
     page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
     deadline, idle_since = time.time() + timeout_s, None
-    while time.time() < deadline:          # done: every code cell numbered, kernel idle 3 s
+    while time.time() < deadline:          # done: nothing queued or running, kernel idle 3 s
         prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
         idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
-        done = (idle and prompts and re.search(r"\[\d+\]", prompts[-1])
-                and not any("[*]" in p for p in prompts))
+        # Run All stops at a cell that raised: the cells after it keep an empty prompt
+        done = idle and any(re.search(r"\[\d+\]", p) for p in prompts) \
+            and not any("[*]" in p for p in prompts)
         idle_since = (idle_since or time.time()) if done else None
         if idle_since and time.time() - idle_since > 3:
             break
         time.sleep(0.5)
-    else:
-        page.screenshot(path=str(OUT / f"browser-{name[:2]}-timeout.png"), full_page=True)
-        raise AssertionError(f"{name}: Run All did not finish within {timeout_s} s")
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
                           ).all_inner_texts()
     tracebacks = [e for e in errors if "Traceback" in e or re.search(r"^\w+Error\b", e, re.M)]
+    if time.time() >= deadline:
+        page.screenshot(path=str(OUT / f"browser-{name[:2]}-timeout.png"), full_page=True)
+        raise AssertionError(f"{name}: Run All did not finish within {timeout_s} s; prompts "
+                             f"{[p.strip() for p in prompts]}; errors {tracebacks[:1]}")
     page.screenshot(path=str(OUT / f"browser-{name[:2]}-run-all.png"), full_page=True)
-    assert not tracebacks, tracebacks[0][:2000]
+    last = max(i for i, p in enumerate(prompts) if re.search(r"\[\d+\]", p))
+    assert not tracebacks, f"cell {last + 1} of {len(prompts)} raised:\n{tracebacks[0][-3000:]}"
+    assert last == len(prompts) - 1, f"Run All stopped after cell {last + 1} of {len(prompts)}"
     assert page.locator(".jp-OutputArea .js-plotly-plot").count() > 0, "no chart rendered"
     return page
 
