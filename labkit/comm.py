@@ -1,0 +1,229 @@
+"""Collective benchmark: how long all_reduce, all_gather, reduce_scatter and broadcast take on
+this machine, per message size, as nccl-tests reports them (``algbw``, ``busbw``), next to this
+machine's ceilings measured in the same run (loopback TCP, memcpy).
+
+    python -m labkit comm --world-size 2 --sizes 1KiB-64MiB --json out/comm.json
+
+Definitions (nccl-tests, doc/PERFORMANCE.md): ``algbw = S / t`` with ``S`` the message size
+(the gathered output for all_gather, the scattered input for reduce_scatter); ``busbw = algbw *
+factor`` with factor 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for
+broadcast: the bandwidth each link must carry, comparable across ops and world sizes and with
+the link's own speed. A repeat's time is the slowest rank's (a collective ends when the last
+rank has its result); the table keeps the median over repeats and the p10/p90 spread.
+"""
+from __future__ import annotations
+
+import re
+import socket
+import statistics
+import threading
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .dist import RankContext
+from .predict.collectives import OPS, bus_factor
+
+UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6}
+
+
+def parse_size(text: str) -> int:
+    """'64KiB' -> 65536 (B, KiB, MiB, GiB, KB, MB; a bare number is bytes)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text)
+    if not m:
+        raise ValueError(f"cannot read size {text!r}: write e.g. 4096, 64KiB or 16MiB")
+    return int(float(m.group(1)) * UNITS[m.group(2) or "B"])
+
+
+def size_range(text: str, step: int = 4) -> list[int]:
+    """'1KiB-64MiB' -> 1 KiB, 4 KiB, ..., 64 MiB (times ``step``); 'a,b,c' -> those sizes."""
+    if "," in text or "-" not in text:
+        sizes = [parse_size(t) for t in text.split(",") if t.strip()]
+    else:
+        lo, hi = (parse_size(t) for t in text.split("-", 1))
+        if lo > hi:
+            raise ValueError(f"size range {text!r} runs backwards: write small-large, e.g. 1KiB-64MiB")
+        sizes, s = [], lo
+        while s <= hi:
+            sizes.append(s)
+            s *= step
+    if not sizes or min(sizes) < 4:
+        raise ValueError(f"sizes {text!r}: every size must be at least 4 bytes (one float32)")
+    return sizes
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("GiB", "MiB", "KiB"):
+        if n >= UNITS[unit]:
+            return f"{n / UNITS[unit]:g} {unit}"
+    return f"{int(n)} B"
+
+
+def _call(op: str, n: int, nbytes: int, device: torch.device):
+    """A zero-argument function that runs ``op`` once on a message of ``nbytes``."""
+    numel = max(n, nbytes // 4 // n * n)             # a multiple of n float32 elements
+    full = torch.ones(numel, device=device)
+    part = torch.ones(numel // n, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if op == "all_gather":                             # S = the gathered output
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: gather(full, part)
+    if op == "reduce_scatter":                         # S = the scattered input
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(part, full)
+    if op == "broadcast":
+        return lambda: dist.broadcast(full, src=0)
+    raise ValueError(f"unknown op {op!r}: choose from {', '.join(OPS)}")
+
+
+def time_op(fn, device: torch.device, repeats: int, warmup: int, iters: int = 1) -> list[float]:
+    """Seconds per call of ``fn`` on this rank: each repeat starts together (a barrier), then
+    makes ``iters`` calls back to back (as nccl-tests does) and divides."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / iters)
+    return times
+
+
+def repeats_for(nbytes: int, repeats: int | None) -> int:
+    """Small messages are cheap and noisy: more repeats; 64 MiB ones: a handful."""
+    if repeats:
+        return repeats
+    return 40 if nbytes <= 64 * 1024 else 20 if nbytes <= 2 ** 20 else 8 if nbytes <= 16 * 2 ** 20 else 5
+
+
+def bench_rank(ctx: RankContext, ops: Sequence[str], sizes: Sequence[int],
+               repeats: int | None = None, warmup: int = 3, ceilings: bool = True,
+               iters: int = 1) -> dict:
+    """Run inside every rank (``labkit.launch``): time each (op, size); rank 0 returns the table."""
+    n, rows = ctx.world_size, []
+    total = len(ops) * len(sizes)
+    for i, (op, nbytes) in enumerate((o, s) for o in ops for s in sizes):
+        times = torch.tensor(time_op(_call(op, n, nbytes, ctx.device), ctx.device,
+                                     repeats_for(nbytes, repeats), warmup, iters), dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)   # a repeat lasts until its slowest rank
+        ctx.report(step=i + 1, total=total, op=op, bytes=nbytes)
+        rows.append(row(op, nbytes, n, times.tolist(), ctx.backend or "", str(ctx.device)))
+    limits = {}
+    if ceilings:
+        dist.barrier()
+        if ctx.rank == 0:          # alone: the other ranks wait in the barrier, asleep
+            limits = measure_ceilings(max(sizes), ctx.device)
+        dist.barrier()
+    return {"rows": rows, "ceilings": limits} if ctx.rank == 0 else {}
+
+
+def row(op: str, nbytes: int, world_size: int, times: Sequence[float], backend: str,
+        device: str) -> dict:
+    """One table row with the nccl-tests quantities (bandwidths in GB/s, 1e9 bytes/s)."""
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    t = statistics.median(times)
+    algbw = nbytes / t / 1e9
+    return {"op": op, "bytes": nbytes, "world_size": world_size, "backend": backend,
+            "device": device, "repeats": len(times), "time_s": t, "p10_s": q[0], "p90_s": q[-1],
+            "algbw": algbw, "busbw": algbw * bus_factor(op, world_size)}
+
+
+def measure_ceilings(nbytes: int, device: torch.device, repeats: int = 5) -> dict:
+    """This machine's limits in GB/s: a memory copy of ``nbytes`` on ``device`` and a loopback
+    TCP stream between two threads (what gloo's pairs ride on, without gloo)."""
+    src = torch.ones(max(1, nbytes // 4), device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - t0)
+    out = {"memcpy": src.numel() * 4 / statistics.median(times[1:]) / 1e9}
+    out["loopback TCP"] = loopback_tcp(min(nbytes, 64 * 2 ** 20))
+    return out
+
+
+def loopback_tcp(nbytes: int, repeats: int = 5) -> float:
+    """GB/s of one TCP stream over 127.0.0.1: a thread sends ``nbytes``, this one receives it."""
+    payload = memoryview(bytearray(nbytes))
+    sink = memoryview(bytearray(1 << 20))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        ready = threading.Event()
+
+        def send():
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                for _ in range(repeats + 1):
+                    ready.wait()
+                    ready.clear()
+                    c.sendall(payload)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        conn, _ = server.accept()
+        times = []
+        with conn:
+            for _ in range(repeats + 1):
+                got, t0 = 0, time.perf_counter()
+                ready.set()
+                while got < nbytes:
+                    k = conn.recv_into(sink)
+                    if not k:
+                        raise ConnectionError("loopback sender closed early")
+                    got += k
+                times.append(time.perf_counter() - t0)
+        sender.join(5)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def benchmark(world_size: int = 2, ops: Sequence[str] = OPS, sizes: Sequence[int] | str = "1KiB-16MiB",
+              *, repeats: int | None = None, warmup: int = 3, device: str = "auto",
+              ceilings: bool = True, on_progress=None, cancel=None, timeout_s: float = 600):
+    """Launch ``world_size`` ranks and measure; returns ``(table, ceilings)`` (a DataFrame, a
+    dict of GB/s). The same function the CLI runs."""
+    import pandas as pd
+
+    from .launch import launch
+
+    if isinstance(sizes, str):
+        sizes = size_range(sizes)
+    bad = [op for op in ops if op not in OPS]
+    if bad:
+        raise ValueError(f"unknown op(s) {', '.join(bad)}: choose from {', '.join(OPS)}")
+    if world_size < 2:
+        raise ValueError("a collective needs at least 2 ranks: set world_size >= 2")
+    results = launch(bench_rank, world_size, args=(list(ops), list(sizes)),
+                     kwargs={"repeats": repeats, "warmup": warmup, "ceilings": ceilings},
+                     device=device, timeout_s=timeout_s, threads=1, on_progress=on_progress,
+                     cancel=cancel)
+    table = pd.DataFrame(results[0]["rows"])
+    return table, results[0]["ceilings"]
+
+
+def fit_report(table, min_bytes: int = 64 * 1024):
+    """Alpha-beta per op with its held-out error: (fits, held-out rows), both DataFrames."""
+    import pandas as pd
+
+    from .predict.collectives import held_out_fit
+
+    fits, held = [], []
+    for (op, n), g in table.groupby(["op", "world_size"], sort=False):
+        model, rows = held_out_fit(op, int(n), list(g["bytes"]), list(g["time_s"]), min_bytes)
+        counted = [r["error"] for r in rows if r["counted"]]
+        fits.append({"op": op, "world_size": int(n), "alpha_us": model.alpha_s * 1e6,
+                     "beta_GBps": model.beta / 1e9,
+                     "heldout_median_error": statistics.median(counted) if counted else float("nan"),
+                     "heldout_sizes": len(counted)})
+        held += rows
+    return pd.DataFrame(fits), pd.DataFrame(held)

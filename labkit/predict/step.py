@@ -1,0 +1,255 @@
+"""Predict one training step from a measured compute profile and an alpha-beta network.
+
+    predict(profile, network, strategy, world_size, global_batch, **knobs) -> StepPrediction
+
+The profile (``labkit.profile.measure``) holds, per layer in forward order, the forward and
+backward seconds at one per-rank batch and the bytes of each gradient tensor, plus the
+optimizer's and the data loader's time per step. The network is a
+``labkit.predict.collectives.CollectiveModel``: fitted on this machine (``labkit.comm``) or a
+published interconnect (``labkit.predict.whatif``). How each strategy spends a step:
+
+* ``single``: data + forward + backward + optimizer on the whole global batch.
+* ``ddp``: gradients are packed into buckets in the order backward produces them (the reverse of
+  the forward order) of ``bucket_cap_mb`` each (DDP's default: 25 MB, the first bucket 1 MiB);
+  a bucket's all-reduce starts once its last gradient is ready and the previous bucket's
+  all-reduce is done, so it runs while backward computes earlier layers. What finishes after
+  backward is exposed; the rest was hidden.
+* ``ddp_naive``: one all-reduce per gradient tensor, back to back, after backward: all exposed.
+* pipelines: the schedule simulator of ``labkit.predict.schedule`` (not a second one) on the
+  profile's layers split into stages, each hand-off a point-to-point message of one
+  micro-batch's activations.
+
+Gradient accumulation (``accumulate=k``): k micro-batches per optimizer step; under
+``no_sync`` only the last one communicates, otherwise every one does. A compression hook
+multiplies the bytes on the wire (``compression``: 0.5 for fp16/bf16).
+
+Compute scales with the batch as measured (``Profile.at_batch``: a line through the profile's
+two batch sizes, per layer). Each rank is assumed to compute as fast as when it was profiled:
+profile under the conditions you predict (same threads per rank, the same number of ranks
+computing at once), which ``labkit.profile.measure`` does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from .collectives import CollectiveModel
+from .schedule import ScheduleCosts, predict_step as simulate_pipeline
+
+MIB = 2 ** 20
+FIRST_BUCKET_BYTES = MIB            # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+DEFAULT_BUCKET_MB = 25.0
+PIPELINES = {"model_parallel": "model_parallel", "pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b"}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One block of the model (a child of an ``nn.Sequential``; the whole model otherwise)."""
+
+    name: str
+    forward_s: float                  # at Profile.batch samples
+    backward_s: float
+    grad_bytes: tuple[int, ...]       # each trainable parameter's gradient, in forward order
+    activation_bytes: float = 0.0     # this block's output, per sample
+    flops: float = 0.0                # forward FLOPs per sample (matmuls; 0 if unknown)
+    forward_fixed_s: float = 0.0      # the part that does not grow with the batch
+    backward_fixed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Compute of one rank at ``batch`` samples, measured (see ``labkit.profile``)."""
+
+    batch: int
+    layers: tuple[Layer, ...]
+    optimizer_s: float = 0.0
+    data_s: float = 0.0
+    ddp_overhead_s: float = 0.0       # DDP's hooks and bucket copies per step, no communication
+    threads: int = 1
+    device: str = "cpu"
+    source: str = "measured"
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(sum(layer.grad_bytes) for layer in self.layers)
+
+    @property
+    def flops_per_sample(self) -> float:
+        return sum(3 * layer.flops for layer in self.layers)     # forward + 2x backward
+
+    def at_batch(self, batch: float) -> "Profile":
+        """The same model at another per-rank batch: each layer's time on its line."""
+        f = batch / self.batch
+
+        def scale(t: float, fixed: float) -> float:
+            return fixed + (t - fixed) * f
+        layers = tuple(replace(layer, forward_s=scale(layer.forward_s, layer.forward_fixed_s),
+                               backward_s=scale(layer.backward_s, layer.backward_fixed_s))
+                       for layer in self.layers)
+        return replace(self, batch=batch, layers=layers)
+
+    def on_device(self, flops_per_s: float, name: str) -> "Profile":
+        """The same model on a device with a given compute rate (FLOP/s): each layer's time is
+        its FLOPs at that rate (memory-bound layers and kernel launches are not modelled)."""
+        if self.flops_per_sample <= 0:
+            raise ValueError("this profile has no FLOP counts (a model that is not a stack of "
+                             "Linear/Conv layers?): a device preset cannot rescale it")
+        layers = tuple(replace(layer, forward_s=layer.flops * self.batch / flops_per_s,
+                               backward_s=2 * layer.flops * self.batch / flops_per_s,
+                               forward_fixed_s=0.0, backward_fixed_s=0.0)
+                       for layer in self.layers)
+        ratio = sum(x.forward_s + x.backward_s for x in layers) / max(
+            1e-12, sum(x.forward_s + x.backward_s for x in self.layers))
+        return replace(self, layers=layers, optimizer_s=self.optimizer_s * ratio,
+                       data_s=0.0, ddp_overhead_s=self.ddp_overhead_s * ratio, device=name, source=f"{self.source}, rescaled to {name}")
+
+
+@dataclass
+class StepPrediction:
+    """Predicted seconds of one optimizer step, split as the probes split a measured one."""
+
+    strategy: str
+    world_size: int
+    global_batch: int
+    data_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_total_s: float               # all communication, hidden or not
+    exposed_s: float                  # communication on the critical path
+    comm_bytes: float                 # payload bytes each rank all-reduces per optimizer step
+    buckets: list[dict] = field(default_factory=list)
+    bubble: float | None = None       # pipelines: mean idle share of the stages
+
+    @property
+    def hidden_s(self) -> float:
+        return max(0.0, self.comm_total_s - self.exposed_s)
+
+    @property
+    def step_s(self) -> float:
+        return self.data_s + self.forward_s + self.backward_s + self.exposed_s + self.optimizer_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.global_batch / self.step_s
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "buckets"}
+        return {**out, "hidden_s": self.hidden_s, "step_s": self.step_s,
+                "samples_per_s": self.samples_per_s, "buckets": len(self.buckets)}
+
+
+def bucket_layout(grad_bytes_ready_order: Sequence[int], bucket_cap_mb: float | None) -> list[list[int]]:
+    """Indices (into the ready order) of each DDP bucket, as the reducer rebuilds them after
+    the first step: fill a bucket until it holds at least its limit, then start the next. With
+    the default cap (None) the first bucket's limit is 1 MiB, the others 25 MB; with a cap
+    you chose, every bucket's limit is that cap (torch 2.14 BucketCapacityConfig)."""
+    cap = int((bucket_cap_mb if bucket_cap_mb is not None else DEFAULT_BUCKET_MB) * MIB)
+    first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    buckets, current, size = [], [], 0
+    for i, nbytes in enumerate(grad_bytes_ready_order):
+        current.append(i)
+        size += nbytes
+        if size >= (first if not buckets else cap):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def ddp_timeline(layers: Sequence[Layer], network: CollectiveModel, world_size: int,
+                 bucket_cap_mb: float | None = None, compression: float = 1.0) -> tuple[float, float, list[dict]]:
+    """Overlap of bucketed all-reduces with backward: (total comm, exposed comm, buckets).
+
+    Times are from the start of backward; each bucket row has bytes, ready, start, end."""
+    ready_at, grads, t = [], [], 0.0
+    for layer in reversed(layers):                   # backward runs the last layer first
+        t += layer.backward_s
+        for nbytes in reversed(layer.grad_bytes):
+            grads.append(nbytes)
+            ready_at.append(t)
+    backward_end = t
+    rows, free = [], 0.0
+    for idx in bucket_layout(grads, bucket_cap_mb):
+        nbytes = sum(grads[i] for i in idx)
+        ready = max(ready_at[i] for i in idx)
+        start = max(ready, free)
+        free = start + network.time("all_reduce", nbytes * compression, world_size)
+        rows.append({"bytes": nbytes, "tensors": len(idx), "ready_s": ready, "start_s": start,
+                     "end_s": free})
+    total = sum(r["end_s"] - r["start_s"] for r in rows)
+    return total, max(0.0, free - backward_end), rows
+
+
+def predict(profile: Profile, network: CollectiveModel, strategy: str, world_size: int,
+            global_batch: int, *, bucket_cap_mb: float | None = None, accumulate: int = 1,
+            no_sync: bool = True, compression: float = 1.0, microbatches: int = 4,
+            bounds: Sequence[int] | None = None) -> StepPrediction:
+    """Predicted step of ``strategy`` on ``world_size`` ranks at ``global_batch`` samples per
+    optimizer step (summed over ranks and accumulation micro-steps)."""
+    if world_size < 1 or global_batch < 1 or accumulate < 1:
+        raise ValueError("world_size, global_batch and accumulate must be at least 1")
+    if strategy in PIPELINES:
+        return _pipeline(profile, network, strategy, world_size, global_batch,
+                         1 if strategy == "model_parallel" else microbatches, bounds)
+    if strategy not in ("single", "ddp", "ddp_naive"):
+        raise ValueError(f"no predictor for strategy {strategy!r}: single, ddp, ddp_naive, "
+                         f"{', '.join(PIPELINES)}")
+    ranks = 1 if strategy == "single" else world_size
+    micro = profile.at_batch(global_batch / ranks / accumulate)
+    fwd = accumulate * sum(layer.forward_s for layer in micro.layers)
+    bwd = accumulate * sum(layer.backward_s for layer in micro.layers)
+    syncs = 1 if no_sync else accumulate
+    data_s = accumulate * profile.data_s
+    pred = StepPrediction(strategy, world_size, global_batch, data_s, fwd, bwd,
+                          profile.optimizer_s, 0.0, 0.0, 0.0)
+    if ranks == 1:
+        return pred
+    pred.comm_bytes = syncs * profile.grad_bytes * compression
+    if strategy == "ddp":
+        pred.backward_s += accumulate * profile.ddp_overhead_s
+        total, exposed, pred.buckets = ddp_timeline(micro.layers, network, ranks, bucket_cap_mb,
+                                                    compression)
+        pred.comm_total_s, pred.exposed_s = syncs * total, syncs * exposed
+    else:                                            # one all-reduce per tensor, after backward
+        per_sync = sum(network.time("all_reduce", nbytes * compression, ranks)
+                       for layer in micro.layers for nbytes in layer.grad_bytes)
+        pred.comm_total_s = pred.exposed_s = syncs * per_sync
+    return pred
+
+
+def _pipeline(profile: Profile, network: CollectiveModel, strategy: str, stages: int,
+              global_batch: int, microbatches: int, bounds: Sequence[int] | None) -> StepPrediction:
+    layers = profile.at_batch(global_batch / microbatches).layers
+    if bounds is None:
+        from ..models import even_bounds          # the split labkit's pipelines use
+        bounds = even_bounds(len(layers), stages)
+    bounds = list(bounds)
+    ends = bounds[1:] + [len(layers)]
+    parts = [layers[a:b] for a, b in zip(bounds, ends)]
+    mb = global_batch / microbatches
+    hop = tuple(network.time("p2p", part[-1].activation_bytes * mb, 2) for part in parts[:-1])
+    costs = ScheduleCosts(tuple(sum(x.forward_s for x in p) for p in parts),
+                          tuple(sum(x.backward_s for x in p) for p in parts), hop)
+    sim = simulate_pipeline(PIPELINES[strategy], microbatches, costs)
+    busiest = max(range(stages), key=lambda s: costs.forward_s[s] + costs.backward_s[s])
+    compute = microbatches * (costs.forward_s[busiest] + costs.backward_s[busiest])
+    fwd_share = costs.forward_s[busiest] / max(1e-12, costs.forward_s[busiest] + costs.backward_s[busiest])
+    idle = sim["span_s"] - compute                     # the busiest stage's wait: bubble + hops
+    return StepPrediction(strategy, stages, global_batch, profile.data_s * microbatches,
+                          compute * fwd_share, compute * (1 - fwd_share), profile.optimizer_s / stages,
+                          comm_total_s=sum(hop) * 2 * microbatches, exposed_s=max(0.0, idle),
+                          comm_bytes=0.0, bubble=sim["bubble"])
+
+
+def scaling(profile: Profile, network: CollectiveModel, strategy: str, world_sizes: Sequence[int],
+            batch_per_rank: int, **knobs) -> list[dict]:
+    """Predicted step and scaling efficiency at each world size, the per-rank batch held fixed
+    (weak scaling, as data parallelism is used): efficiency = throughput(n) / (n x throughput(1))."""
+    one = predict(profile, network, "single", 1, batch_per_rank).samples_per_s
+    rows = []
+    for n in world_sizes:
+        p = predict(profile, network, strategy if n > 1 else "single", n, batch_per_rank * n, **knobs)
+        rows.append({**p.as_dict(), "efficiency": p.samples_per_s / (n * one)})
+    return rows
