@@ -1,4 +1,4 @@
-"""labkit's command line: ``python -m labkit {env,compare,check,demo}``."""
+"""labkit's command line: ``python -m labkit {env,compare,check,comm,demo}``."""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +34,14 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-impl", default=d.pipeline_impl, help="scratch or torch")
     g.add_argument("--balance", action="store_true", help="partition stages by measured cost")
     g.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per launch")
+    g.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP bucket size in MB (default: DDP's, 25 MB with a 1 MiB first bucket)")
+    g.add_argument("--accumulate", type=int, default=d.accumulate,
+                   help="micro-batches per optimizer step (gradient accumulation)")
+    g.add_argument("--sync-every-microstep", action="store_true",
+                   help="with --accumulate: all-reduce after every micro-batch (not no_sync)")
+    g.add_argument("--comm-hook", default=d.comm_hook, help="ddp: none, fp16, bf16 or powersgd")
+    g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
 
 
 # RunConfig field -> the flag that sets it, so a config error can name what to type instead
@@ -41,7 +49,9 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "seed": "--seed", "model": "--model", "width": "--width", "depth": "--depth",
          "dataset_size": "--dataset-size", "device": "--device", "backend": "--backend",
          "threads": "--threads", "stages": "--stages", "microbatches": "--microbatches",
-         "pipeline_impl": "--pipeline-impl", "timeout_s": "--timeout", "world_size": "--world-size"}
+         "pipeline_impl": "--pipeline-impl", "timeout_s": "--timeout", "world_size": "--world-size",
+         "bucket_cap_mb": "--bucket-cap-mb", "accumulate": "--accumulate",
+         "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -49,7 +59,10 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   seed=args.seed, model=args.model, width=args.width, depth=args.depth,
                   dataset_size=args.dataset_size, device=args.device, backend=args.backend,
                   threads=args.threads, stages=args.stages, microbatches=args.microbatches,
-                  pipeline_impl=args.pipeline_impl, balance=args.balance, timeout_s=args.timeout)
+                  pipeline_impl=args.pipeline_impl, balance=args.balance, timeout_s=args.timeout,
+                  bucket_cap_mb=args.bucket_cap_mb, accumulate=args.accumulate,
+                  sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
+                  powersgd_rank=args.powersgd_rank)
     fields.update(override)
     try:
         return RunConfig(**fields)
@@ -227,6 +240,46 @@ def _write_html(path: str, title: str, table, figs) -> None:
                 + "</body></html>")
 
 
+def cmd_comm(args) -> int:
+    from . import comm
+    from .plots import communication as charts
+    from .predict.collectives import OPS, fit_table
+    _writable("--json", args.json)
+    _writable("--html", args.html)
+    ops = _csv(args.ops, flag="--ops")
+    bad = [op for op in ops if op not in OPS]
+    if bad:
+        raise ValueError(f"--ops: unknown {', '.join(bad)}: choose from {','.join(OPS)}")
+    sizes = comm.size_range(args.sizes)
+    if args.world_size < 2:
+        raise ValueError("--world-size: a collective needs at least 2 ranks")
+    print(f"timing {', '.join(ops)} on {args.world_size} ranks at {len(sizes)} sizes "
+          f"({comm.human_bytes(sizes[0])} to {comm.human_bytes(sizes[-1])})", flush=True)
+    table, ceilings = comm.benchmark(args.world_size, ops, sizes, repeats=args.repeats,
+                                     device=args.device, timeout_s=args.timeout)
+    fits, held = comm.fit_report(table)
+    shown = table.assign(size=table["bytes"].map(comm.human_bytes),
+                         time_ms=1e3 * table["time_s"], p10_ms=1e3 * table["p10_s"],
+                         p90_ms=1e3 * table["p90_s"])
+    print(shown[["op", "size", "time_ms", "p10_ms", "p90_ms", "algbw", "busbw"]].round(3)
+          .to_string(index=False))
+    print("bandwidths in GB/s (1e9 B/s); busbw as nccl-tests defines it")
+    print("ceilings measured in this run: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in ceilings.items()))
+    print(fits.round(3).to_string(index=False))
+    print("alpha-beta per op (ring formulas), error on held-out sizes >= 64 KiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": table.to_dict("records"), "ceilings": ceilings,
+                       "fits": fits.to_dict("records"), "held_out": held.to_dict("records")}, f,
+                      indent=1)
+        print(f"wrote {args.json}")
+    if args.html:
+        fitted = fit_table(table.to_dict("records"), args.world_size).ops
+        _write_html(args.html, "labkit comm", table, [charts.bandwidth(table, ceilings, fitted)])
+        print(f"wrote {args.html}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -248,6 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tol", type=float, default=1e-5)
     add_config_args(p)
     p.set_defaults(func=cmd_check, steps=5)
+
+    p = sub.add_parser("comm", help="collective bandwidth (algbw/busbw) and the alpha-beta fit")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast")
+    p.add_argument("--sizes", default="1KiB-64MiB", help="a range (x4 steps) or a list: 1KiB,1MiB")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per size")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--json", help="write the table, ceilings and fits here")
+    p.add_argument("--html", help="write the bandwidth chart here")
+    p.set_defaults(func=cmd_comm)
 
     p = sub.add_parser("demo", help="environment report, strategy comparison and check")
     p.add_argument("--strategies", default=DP_STRATEGIES)

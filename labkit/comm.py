@@ -8,8 +8,10 @@ Definitions (nccl-tests, doc/PERFORMANCE.md): ``algbw = S / t`` with ``S`` the m
 (the gathered output for all_gather, the scattered input for reduce_scatter); ``busbw = algbw *
 factor`` with factor 2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for
 broadcast: the bandwidth each link must carry, comparable across ops and world sizes and with
-the link's own speed. A repeat's time is the slowest rank's (a collective ends when the last
-rank has its result); the table keeps the median over repeats and the p10/p90 spread.
+the link's own speed. A repeat starts on every rank together (a barrier), makes ``ITERS`` calls
+back to back and divides, as nccl-tests does (DDP's buckets and a hand-written all-reduce per
+tensor also run back to back); its time is the slowest rank's (a collective ends when the last
+rank has its result). The table keeps the median over repeats and the p10/p90 spread.
 """
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ import torch.distributed as dist
 from .dist import RankContext
 from .predict.collectives import OPS, bus_factor
 
+# The alpha-beta fit uses the mean time per call, not the median: a training step makes many
+# calls and pays every slow one (on a shared CPU, a scheduler tick in a fraction of the calls),
+# and the expectation of a sum is the sum of the means. The table shows the median and p10/p90.
+FIT_ON = "mean_s"
+ITERS = 5        # back-to-back calls per timed repeat (nccl-tests times a loop too)
 UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6}
 
 
@@ -101,12 +108,12 @@ def repeats_for(nbytes: int, repeats: int | None) -> int:
     """Small messages are cheap and noisy: more repeats; 64 MiB ones: a handful."""
     if repeats:
         return repeats
-    return 40 if nbytes <= 64 * 1024 else 20 if nbytes <= 2 ** 20 else 8 if nbytes <= 16 * 2 ** 20 else 5
+    return 20 if nbytes <= 2 ** 20 else 8 if nbytes <= 16 * 2 ** 20 else 4
 
 
 def bench_rank(ctx: RankContext, ops: Sequence[str], sizes: Sequence[int],
                repeats: int | None = None, warmup: int = 3, ceilings: bool = True,
-               iters: int = 1) -> dict:
+               iters: int = ITERS) -> dict:
     """Run inside every rank (``labkit.launch``): time each (op, size); rank 0 returns the table."""
     n, rows = ctx.world_size, []
     total = len(ops) * len(sizes)
@@ -133,6 +140,7 @@ def row(op: str, nbytes: int, world_size: int, times: Sequence[float], backend: 
     algbw = nbytes / t / 1e9
     return {"op": op, "bytes": nbytes, "world_size": world_size, "backend": backend,
             "device": device, "repeats": len(times), "time_s": t, "p10_s": q[0], "p90_s": q[-1],
+            "mean_s": statistics.fmean(times),
             "algbw": algbw, "busbw": algbw * bus_factor(op, world_size)}
 
 
@@ -219,7 +227,7 @@ def fit_report(table, min_bytes: int = 64 * 1024):
 
     fits, held = [], []
     for (op, n), g in table.groupby(["op", "world_size"], sort=False):
-        model, rows = held_out_fit(op, int(n), list(g["bytes"]), list(g["time_s"]), min_bytes)
+        model, rows = held_out_fit(op, int(n), list(g["bytes"]), list(g[FIT_ON]), min_bytes)
         counted = [r["error"] for r in rows if r["counted"]]
         fits.append({"op": op, "world_size": int(n), "alpha_us": model.alpha_s * 1e6,
                      "beta_GBps": model.beta / 1e9,
@@ -227,3 +235,47 @@ def fit_report(table, min_bytes: int = 64 * 1024):
                      "heldout_sizes": len(counted)})
         held += rows
     return pd.DataFrame(fits), pd.DataFrame(held)
+
+
+def knob_label(cfg) -> str:
+    """What sets this run apart from DDP's defaults, in a few words."""
+    parts = [f"{cfg.strategy}@{cfg.world_size}"]
+    if cfg.bucket_cap_mb is not None:
+        parts.append(f"bucket {cfg.bucket_cap_mb:g} MB")
+    if cfg.comm_hook != "none":
+        parts.append(cfg.comm_hook + (f" r={cfg.powersgd_rank}" if cfg.comm_hook == "powersgd" else ""))
+    if cfg.accumulate > 1:
+        parts.append(f"accumulate {cfg.accumulate}" + (" (sync every)" if cfg.sync_every_microstep
+                                                       else " (no_sync)"))
+    return ", ".join(parts)
+
+
+def knob_rows(results, profile=None, network=None):
+    """One row per run (``experiment.RunResult``): the median step (slowest rank) split into
+    exposed communication and the rest, communication in flight and hidden, bytes per sample,
+    the global-batch loss, and, given a profile and a network, the predicted step beside it."""
+    import pandas as pd
+
+    from . import experiment
+    from .predict.step import predict
+
+    rows = []
+    for res in results:
+        t = experiment.summarize(res.records).iloc[0]
+        cfg = res.cfg
+        row = {"config": knob_label(cfg), "step_ms": t["step_ms"], "comm_ms": t["comm_ms"],
+               "compute_ms": t["step_ms"] - t["comm_ms"],
+               "comm_total_ms": t.get("comm_total_ms", float("nan")),
+               "hidden_ms": t.get("hidden_ms", float("nan")),
+               "bytes_per_sample": t.get("bytes_per_sample", 0.0), "loss": t["loss"],
+               "cpu_share": t.get("cpu_share", float("nan")), "busy": bool(t.get("busy", False))}
+        if profile is not None and network is not None and cfg.comm_hook != "powersgd":
+            p = predict(profile, network, cfg.strategy, cfg.ranks, cfg.global_batch,
+                        bucket_cap_mb=cfg.bucket_cap_mb, accumulate=cfg.accumulate,
+                        no_sync=not cfg.sync_every_microstep,
+                        compression=0.5 if cfg.comm_hook in ("fp16", "bf16") else 1.0)
+            row.update(predicted_step_ms=1e3 * p.step_s, predicted_exposed_ms=1e3 * p.exposed_s,
+                       predicted_hidden_ms=1e3 * p.hidden_s,
+                       error=(p.step_s * 1e3 - t["step_ms"]) / t["step_ms"])
+        rows.append(row)
+    return pd.DataFrame(rows)

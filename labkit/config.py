@@ -19,6 +19,7 @@ PIPELINE_STRATEGIES = ("model_parallel", "pipeline_gpipe", "pipeline_1f1b")
 MODELS = ("mlp", "cnn", "unbalanced_mlp")
 DEVICES = ("auto", "cpu", "cuda")
 PIPELINE_IMPLS = ("scratch", "torch")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,13 @@ class RunConfig:
     pipeline_impl: str = "scratch"  # "scratch": labkit's own schedule; "torch": torch.distributed.pipelining
     balance: bool = False        # partition stages by measured layer cost instead of layer count
 
+    # ---- communication (labkit.comm, notebook 03); accumulation is a knob of the shared loop
+    bucket_cap_mb: float | None = None  # ddp: None = DDP's default (25 MB buckets, the first 1 MiB)
+    accumulate: int = 1          # micro-batches per optimizer step (single, dp, ddp, ddp_naive)
+    sync_every_microstep: bool = False  # accumulate > 1: all-reduce after every micro-batch
+    comm_hook: str = "none"      # ddp: "fp16" / "bf16" compression, or "powersgd"
+    powersgd_rank: int = 1       # comm_hook="powersgd": matrix approximation rank
+
     # ---- equivalence and your own model (labkit.equivalence, labkit.factories)
     sync_batchnorm: bool = False  # ddp/ddp_naive: batch statistics over the global batch (SyncBN)
     deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final state
@@ -76,7 +84,23 @@ class RunConfig:
             raise ValueError(f"pipeline_impl must be one of {PIPELINE_IMPLS}, got {self.pipeline_impl!r}")
         if self.strategy == "single" and self.world_size != 1:
             raise ValueError(f"single runs on one device: set world_size=1 (got {self.world_size})")
+        if self.accumulate < 1:
+            raise ValueError(f"accumulate must be at least 1, got {self.accumulate}")
+        if self.comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook must be one of {', '.join(COMM_HOOKS)}, got {self.comm_hook!r}")
+        if self.comm_hook != "none" and self.strategy != "ddp":
+            raise ValueError(f"comm_hook={self.comm_hook!r} is a DDP communication hook: set "
+                             f"strategy='ddp' (got {self.strategy!r}) or comm_hook='none'")
+        if self.powersgd_rank < 1:
+            raise ValueError(f"powersgd_rank must be at least 1, got {self.powersgd_rank}")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive or None (DDP's default), got "
+                             f"{self.bucket_cap_mb}")
         if self.strategy in PIPELINE_STRATEGIES:
+            if self.accumulate != 1:
+                raise ValueError(f"{self.strategy} already splits each step into micro-batches: "
+                                 f"set microbatches instead of accumulate (got accumulate="
+                                 f"{self.accumulate})")
             if self.world_size != self.stages:
                 raise ValueError(
                     f"{self.strategy} puts one stage on each rank: set world_size == stages "
@@ -93,6 +117,11 @@ class RunConfig:
             raise ValueError(
                 f"global batch {self.global_batch} is not divisible by world size {self.world_size}: "
                 f"pick a global batch that is a multiple of {self.world_size}")
+        elif self.global_batch % (self.ranks * self.accumulate):
+            raise ValueError(
+                f"global batch {self.global_batch} does not split into {self.accumulate} "
+                f"micro-batches on each of {self.ranks} rank(s): pick a global batch that is a "
+                f"multiple of {self.ranks * self.accumulate}")
         if self.dataset_size < self.global_batch:
             raise ValueError(
                 f"dataset_size {self.dataset_size} is smaller than one global batch "
@@ -109,10 +138,11 @@ class RunConfig:
 
     @property
     def batch_per_rank(self) -> int:
-        """Samples each rank (DDP) or each micro-batch (pipeline) sees per step."""
+        """Samples in one forward: a rank's micro-batch (data parallel, ``accumulate`` of them
+        per step) or one pipeline micro-batch."""
         if self.strategy in PIPELINE_STRATEGIES:
             return self.global_batch // self.microbatches
-        return self.global_batch // self.ranks
+        return self.global_batch // (self.ranks * self.accumulate)
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)

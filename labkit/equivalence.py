@@ -75,7 +75,10 @@ def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, *, st
     bn, rand = batch_stat_layers(model), random_layers(model)
     kwargs = dict(data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
                   model_fn=without_dropout(model_fn) if rand else model_fn)
-    ref = run(cfg.replace(strategy="single", world_size=1), **kwargs).params
+    # the reference is plain single-device training on the whole global batch: no accumulation
+    # (a strategy's accumulate=k must reach the same parameters), no compression
+    ref = run(cfg.replace(strategy="single", world_size=1, accumulate=1, comm_hook="none",
+                          sync_every_microstep=False), **kwargs).params
     rows = []
     for name in strategies:
         ws = _ws(cfg, name, world_size)

@@ -94,6 +94,8 @@ def finalize(records: list[dict]) -> pd.DataFrame:
     alone = df["world_size"] == 1
     df.loc[alone, "sync_overhead_s"] += df.loc[alone, "comm_s"]
     df.loc[alone, "comm_s"] = 0.0
+    if "comm_total_s" in df:
+        df.loc[alone, "comm_total_s"] = 0.0
     if "events" in df:
         _pipeline_columns(df)
     df["start_s"] = df["start_s"] - df["start_s"].min()
@@ -264,7 +266,9 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     distributing); speedup_same_cores: over single on one rank's share of the cores (threads per
     rank), and efficiency = that / world_size; cpu_share: median over steps of the least CPU
     share any rank got while computing; busy: below ``BUSY_SHARE``, the machine was busy and the
-    row is not comparable; loss: the global batch's loss at the last step.
+    row is not comparable; loss: the global batch's loss at the last step; bytes_per_sample:
+    gradient bytes a rank all-reduces per optimizer step over the samples it trains on in it;
+    comm_total_ms: time any all-reduce was in flight; hidden_ms: the part of it not exposed.
     """
     if records.empty:
         return pd.DataFrame()
@@ -279,6 +283,11 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         "device": med["device"] if "device" in med else "cpu",
         "step_ms": 1e3 * med["step_s"], "samples_per_s": med["global_batch"] / med["step_s"],
         "comm_ms": 1e3 * med["comm_s"], "comm_share": med["comm_s"] / med["step_s"]})
+    if "comm_bytes" in med:                # gradient payload a rank all-reduces per sample it trains
+        table["bytes_per_sample"] = (med["comm_bytes"] / med["samples"]).to_numpy()
+    if "comm_total_s" in med:              # all communication in flight, and the part not exposed
+        table["comm_total_ms"] = (1e3 * med["comm_total_s"]).to_numpy()
+        table["hidden_ms"] = (table["comm_total_ms"] - table["comm_ms"]).clip(lower=0)
     runs = _runs(records)
     table["loss"] = [float(g.loc[g["step"] == g["step"].max(), "loss"].iloc[0])
                      for _, g in runs]

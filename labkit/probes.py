@@ -6,7 +6,9 @@ that ran with no peer to talk to: DDP's reducer or a one-rank all-reduce at worl
 in by ``experiment.finalize``), optimizer (step + zero_grad). They add up to ``step_s``.
 
 Each record also says how much CPU the rank got when it wanted one (``compute_cpu_share``): of
-the time its threads were ready to run during the step, the share they actually ran (Linux
+the time its threads were ready to run while computing (forward and backward, every micro-batch;
+not the communication phase, where waking up after a peer's message shares the cores with gloo's
+threads and would read as "busy" on an idle machine), the share they actually ran (Linux
 schedstat: time on a CPU against time waiting in the run queue; waiting for a peer in a
 collective is sleeping, not waiting for a CPU, so it does not count). Below ~0.8 something
 else had the rank's core, and its timings are not comparable. Where schedstat is missing
@@ -40,7 +42,8 @@ class StepProbe:
         self._cpu: dict[str, float] = {}
         self._t0 = 0.0
         self.sched = RunQueueClock(all_threads=self.threads > 1)
-        self._sched0: tuple[float, float] | None = None
+        self._sched0: tuple[float, float] | None = None     # at the start of a compute window
+        self._ran = self._waited = 0.0
 
     def _now(self):
         if self.cuda:
@@ -51,13 +54,20 @@ class StepProbe:
 
     def start(self) -> None:
         self._t0 = time.perf_counter()     # the shared clock: one CLOCK_MONOTONIC per machine
-        self._sched0 = self.sched.read()
+        self._ran = self._waited = 0.0
         self._marks = [("start", self._now())]
 
     def mark(self, phase: str) -> None:
         self._marks.append((phase, self._now()))
         if phase in ("data", "backward"):  # forward + backward: the compute a rank owns
             self._cpu[phase] = cpu_seconds(self.threads)
+            now = self.sched.read()
+            if phase == "data":
+                self._sched0 = now
+            elif self._sched0 is not None and now is not None:    # close the compute window
+                self._ran += now[0] - self._sched0[0]
+                self._waited += now[1] - self._sched0[1]
+                self._sched0 = None
 
     def finish(self, step: int, loss: float, samples: int, *, comm_baseline_s: float | None = None,
                comm_bytes: int = 0, **extra) -> dict:
@@ -80,7 +90,8 @@ class StepProbe:
             exposed = max(0.0, times["backward_s"] - comm_baseline_s)
             times["comm_s"] += exposed
             times["backward_s"] -= exposed
-        share = self.sched.share(self._sched0, self.sched.read())
+        share = (self._ran / (self._ran + self._waited) if self._ran + self._waited > 0 else
+                 1.0) if self.sched.available else None
         compute = times["forward_s"] + times["backward_s"]
         if share is None and not self.cuda and compute > 0 and {"data", "backward"} <= set(self._cpu):
             share = (self._cpu["backward"] - self._cpu["data"]) / compute

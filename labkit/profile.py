@@ -38,7 +38,7 @@ def measure(cfg: RunConfig, *, world_size: int | None = None, model_fn=None, dat
     n = world_size or cfg.world_size
     kind = resolve_device(cfg.device, n)
     threads = cfg.threads or (max(1, cpu_cores() // n) if kind == "cpu" else 1)
-    batch = max(1, cfg.global_batch // (n * getattr(cfg, "accumulate", 1)))
+    batch = max(1, cfg.global_batch // (n * cfg.accumulate))
     results = launch(profile_rank, n, args=(cfg, fns, batch, repeats), device=kind,
                      threads=threads, timeout_s=cfg.timeout_s, cancel=cancel)
     return average(results)

@@ -36,7 +36,7 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
 def lab(tmp_path_factory):
     """JupyterLab on loopback over a copy of the notebooks, with this interpreter's kernel."""
     root = tmp_path_factory.mktemp("lab")
-    for nb in ("01_data_parallel.ipynb", "02_model_parallel.ipynb"):
+    for nb in ("01_data_parallel.ipynb", "02_model_parallel.ipynb", "03_communication.ipynb"):
         shutil.copy(REPO / "notebooks" / nb, root / nb)
     home = tmp_path_factory.mktemp("jupyter")     # no user settings, kernels or news pop-ups
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"),
@@ -256,5 +256,38 @@ def test_pipeline_panel_in_a_browser(lab, browser):
     wait_status(page, r"ready: model_parallel P=2 M=1", 10)
     assert selects.nth(0).is_disabled()
     time.sleep(1)
+    assert not kernel_ranks(lab)
+    page.close()
+
+
+def test_communication_panels_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "03_communication.ipynb")
+    assert "ddp@2" in panel_output(page)
+
+    # as a person: the fp16 hook, Run, and the knobs table gains that run beside the first
+    knobs = page.locator(".widget-dropdown select")
+    knobs.nth(1).select_option("fp16")                              # comm hook
+    wait_status(page, r"ready: ddp@2, fp16", 10)
+    page.click(".widget-button:has-text('Run')")
+    status = wait_status(page, r"done: ddp@2, fp16", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-03-after-run.png"), full_page=True)
+    assert "ddp@2, fp16" in shown and "predicted" in status, (status, shown[:800])
+
+    # PowerSGD's rank picker is live only for PowerSGD
+    assert knobs.nth(2).is_disabled()
+    knobs.nth(1).select_option("powersgd")
+    wait_status(page, r"ready: ddp@2, powersgd r=1", 10)
+    assert not knobs.nth(2).is_disabled()
+
+    # the what-if panel redraws on a change, with no run: step time instead of efficiency
+    assert "scaling efficiency" in panel_output(page)
+    knobs.nth(3).select_option("step_ms")                           # what-if: show
+    deadline = time.time() + 20
+    while "predicted step time" not in panel_output(page) and time.time() < deadline:
+        time.sleep(0.2)
+    page.screenshot(path=str(OUT / "browser-03-whatif.png"), full_page=True)
+    assert "predicted step time" in panel_output(page)
     assert not kernel_ranks(lab)
     page.close()

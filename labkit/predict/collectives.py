@@ -135,11 +135,12 @@ def held_out_fit(op: str, world_size: int, sizes: Sequence[float], times: Sequen
     return model, rows
 
 
-def fit_table(rows: Iterable[dict], world_size: int) -> CollectiveModel:
-    """A ``CollectiveModel`` from benchmark rows (``op``, ``bytes``, ``time_s``), one fit per op."""
+def fit_table(rows: Iterable[dict], world_size: int, on: str = "mean_s") -> CollectiveModel:
+    """A ``CollectiveModel`` from benchmark rows (``op``, ``bytes`` and the seconds in ``on``:
+    ``labkit.comm`` rows carry ``mean_s`` and ``time_s``, the median), one fit per op."""
     by_op: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        by_op.setdefault(r["op"], []).append((r["bytes"], r["time_s"]))
+        by_op.setdefault(r["op"], []).append((r["bytes"], r[on] if on in r else r["time_s"]))
     fits = {op: fit(op, world_size, *zip(*pts), source=f"fitted on this machine (n={world_size})")
             for op, pts in by_op.items() if len(pts) >= 2}
     if not fits:

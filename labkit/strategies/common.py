@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 import torch
@@ -69,45 +69,65 @@ def final_state(cfg: RunConfig, module: nn.Module) -> dict | None:
 
 def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterator, *,
                strategy: str, fns: Factories, sync_grads: Callable[[], None] | None = None,
-               calibrate: Callable[[nn.Module], float] | None = None, comm_bytes: int = 0,
-               unwrapped: nn.Module | None = None, notes: list[str] | None = None) -> dict:
+               calibrate: Callable[[nn.Module], float] | None = None,
+               comm_bytes: int | Callable[[], int] = 0,
+               comm_total: Callable[[], float] | None = None, unwrapped: nn.Module | None = None,
+               notes: list[str] | None = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
-    ``sync_grads`` runs between backward and the optimizer (hand-written all-reduce);
-    ``calibrate(loss_fn)`` runs once after warm-up and returns the backward time with
-    communication off, so the probe can split DDP's overlapped backward into compute and
-    exposed communication. ``unwrapped``: the plain model inside a wrapper (its state names are
-    the ones ``single`` has).
+    Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
+    summed gradients are those of the whole global batch. Gradients are synchronised after the
+    last micro-batch only (DDP's ``no_sync()`` on the others), or after every one with
+    ``cfg.sync_every_microstep``. ``sync_grads`` runs between a backward and the optimizer
+    (hand-written all-reduce); ``calibrate(loss_fn)`` runs once after warm-up and returns one
+    micro-batch's backward time with communication off, so the probe can split DDP's overlapped
+    backward into compute and exposed communication. ``comm_bytes``: payload bytes one
+    synchronisation all-reduces (or a function returning those of the step just taken);
+    ``comm_total()``: seconds any all-reduce was in flight during the step (DDP's timed hook);
+    without it, communication is synchronous and all of it is the exposed ``comm`` phase.
+    ``unwrapped``: the plain model inside a wrapper (its state names are the ones ``single`` has).
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
     optimizer = fns.optimizer(cfg, model.parameters())
     seed_rank_streams(cfg, ctx)
     probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
-                      device=str(ctx.device), global_batch=cfg.global_batch)
+                      device=str(ctx.device), global_batch=cfg.global_batch,
+                      accumulate=cfg.accumulate)
+    k = cfg.accumulate
+    syncs = k if cfg.sync_every_microstep else 1          # synchronisations per optimizer step
     comm_baseline_s, records, total = None, [], cfg.warmup + cfg.steps
     progress = Progress(ctx, cfg.steps)           # measured steps only
     for i in range(total):
         if i == cfg.warmup and calibrate is not None:
-            comm_baseline_s = calibrate(loss_fn)
+            comm_baseline_s = k * calibrate(loss_fn)
         probe.start()
-        x, y = next(data)
-        x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-        probe.mark("data")
-        loss = loss_fn(model(x), y)
-        probe.mark("forward")
-        loss.backward()
-        probe.mark("backward")
-        if sync_grads is not None:
-            sync_grads()
-        probe.mark("comm")
+        losses, samples = [], 0
+        for j in range(k):
+            sync_now = j == k - 1 or cfg.sync_every_microstep
+            x, y = next(data)
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            probe.mark("data")
+            with nullcontext() if sync_now or not hasattr(model, "no_sync") else model.no_sync():
+                loss = loss_fn(model(x), y)
+                probe.mark("forward")
+                (loss / k if k > 1 else loss).backward()
+                probe.mark("backward")
+            if sync_grads is not None and sync_now:
+                sync_grads()
+            probe.mark("comm")
+            losses.append(loss.detach() * len(x))
+            samples += len(x)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         probe.mark("optimizer")
-        rec = probe.finish(i - cfg.warmup, loss.item(), len(x), comm_baseline_s=comm_baseline_s,
-                           comm_bytes=comm_bytes)
+        sent = comm_bytes() if callable(comm_bytes) else syncs * comm_bytes
+        shard_loss = (torch.stack(losses).sum() / samples).item()
+        rec = probe.finish(i - cfg.warmup, shard_loss, samples, comm_baseline_s=comm_baseline_s,
+                           comm_bytes=sent)
+        rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
         if i >= cfg.warmup:
             records.append(rec)
-            progress(i + 1 - cfg.warmup, rec["shard_loss"], len(x))
+            progress(i + 1 - cfg.warmup, rec["shard_loss"], samples)
     return {"records": records, "notes": notes or [],
             "params": final_state(cfg, unwrapped if unwrapped is not None else model)}
 

@@ -20,7 +20,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     for p in model.parameters():
         dist.broadcast(p.data, src=0)
     data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
-                        batch_size=cfg.global_batch // ctx.world_size)
+                        batch_size=cfg.batch_per_rank)
 
     def sync_grads() -> None:
         for p in model.parameters():

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from .experiment import phase_breakdown, run_label
-from .probes import PHASES
+from ..experiment import phase_breakdown, run_label
+from ..probes import PHASES
 
 PHASE_COLORS = {"data": "#9e9e9e", "forward": "#4c78a8", "backward": "#f58518",
                 "comm": "#e45756", "sync_overhead": "#b279a2", "optimizer": "#54a24b"}
