@@ -88,7 +88,7 @@ def _wait_for_port(port: int, timeout: float) -> None:
     raise TimeoutError(f"JupyterLab did not listen on port {port} within {timeout} s")
 
 
-def open_and_run_all(browser, lab, name: str, timeout_s: float = 240):
+def open_and_run_all(browser, lab, name: str, timeout_s: float = 360):
     """Open a notebook at 1280 px with the file browser open, Run All, wait for the last cell."""
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     # a workspace of its own: only this notebook open, so selectors cannot match another one
@@ -283,7 +283,7 @@ def test_communication_panels_in_a_browser(lab, browser):
 
     # the what-if panel redraws on a change, with no run: step time instead of efficiency
     assert "scaling efficiency" in panel_output(page)
-    knobs.nth(3).select_option("step_ms")                           # what-if: show
+    knobs.nth(3).select_option(label="step time (ms)")              # what-if: show
     deadline = time.time() + 20
     while "predicted step time" not in panel_output(page) and time.time() < deadline:
         time.sleep(0.2)

@@ -110,7 +110,8 @@ class CommPanel(BackgroundRun):
         notes = sorted({n for r in results for n in r.notes})
         shown = table.round({"step_ms": 1, "comm_ms": 1, "compute_ms": 1, "comm_total_ms": 1,
                              "hidden_ms": 1, "bytes_per_sample": 0, "loss": 4,
-                             "predicted_step_ms": 1, "predicted_exposed_ms": 1, "error": 2})
+                             "predicted_step_ms": 1, "predicted_exposed_ms": 1,
+                             "predicted_hidden_ms": 1, "error": 2, "cpu_share": 2})
         return [shown] + [f"<p>{n}</p>" for n in notes] + [charts.knobs(table)]
 
     def done_message(self, results) -> str:
