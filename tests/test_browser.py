@@ -78,6 +78,24 @@ def browser():
         b.close()
 
 
+@pytest.fixture(autouse=True)
+def one_kernel_at_a_time(lab):
+    """Shut down every kernel after each test: the next notebook gets the cores and memory
+    (a kernel and its forkserver hold torch twice, ~1 GB)."""
+    yield
+    import json
+    import urllib.request
+    api = f"{lab['url']}/api/kernels?token={lab['token']}"
+    try:
+        kernels = json.load(urllib.request.urlopen(api, timeout=10))
+        for k in kernels:
+            req = urllib.request.Request(f"{lab['url']}/api/kernels/{k['id']}?token={lab['token']}",
+                                         method="DELETE")
+            urllib.request.urlopen(req, timeout=30)
+    except OSError as exc:                  # the next test still runs; say why it may be slower
+        print(f"could not shut down kernels: {exc}")
+
+
 def _wait_for_port(port: int, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
