@@ -46,6 +46,7 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python -m pip install -q accelerate
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/ddp_overhead.py
+	$(BIN)/python benchmarks/comm_overhead.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

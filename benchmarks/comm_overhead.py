@@ -1,6 +1,6 @@
 """labkit's collective benchmark vs a bare ``dist.all_reduce`` timing loop, same sizes, same ranks.
 
-    python benchmarks/comm_overhead.py [--sizes 4KiB-16MiB] [--rounds 6] [--json PATH]
+    python benchmarks/comm_overhead.py [--sizes 4KiB-16MiB] [--rounds 6] [--quick] [--json PATH]
 
 Inside one launch, each round times every size twice, alternating: once with labkit's
 ``comm.time_op`` (a barrier, then back-to-back calls, the slowest rank's time per call), once
@@ -53,7 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--iters", type=int, default=comm.ITERS)
     p.add_argument("--json")
+    p.add_argument("--quick", action="store_true", help="2 sizes, 1 round (a smoke test)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.rounds, args.repeats = "16KiB,1MiB", 1, 3
     sizes = comm.size_range(args.sizes)
     res = labkit.launch(rank, 2, args=(sizes, args.rounds, args.repeats, args.iters), threads=1)[0]
     rows = []

@@ -67,3 +67,14 @@ def test_ddp_overhead_quick(tmp_path):
     assert out["round_ratios"] == [pytest.approx(out["ratio"])]
     assert f"{out['ratio']:.2f}" == lines[-1].rsplit(" ", 1)[1]
     assert out["probe_overhead_s"] > 0 and out["probe_overhead_fraction"] > 0
+
+
+@pytest.mark.slow
+def test_comm_overhead_quick(tmp_path):
+    lines = run_bench("comm_overhead.py", tmp_path / "comm.json")
+    assert len(lines) == 3, lines                      # two sizes, then the headline
+    assert re.fullmatch(rf"labkit/bare all_reduce time ratio \(median over sizes\): {NUMBER} "
+                        rf"\(goal 0\.90-1\.10\)", lines[-1]), lines[-1]
+    out = json.loads((tmp_path / "comm.json").read_text())
+    assert [r["bytes"] for r in out["rows"]] == [16384, 2 ** 20]
+    assert all(r["labkit_ms"] > 0 and r["bare_ms"] > 0 for r in out["rows"])
