@@ -32,7 +32,15 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages P")
     g.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches M")
     g.add_argument("--pipeline-impl", default=d.pipeline_impl, help="scratch or torch")
-    g.add_argument("--balance", action="store_true", help="partition stages by measured cost")
+    g.add_argument("--balance", nargs="?", const="stages", default=None,
+                   help="alone: partition pipeline stages by measured cost; static, dynamic or "
+                        "join: load balancing of ddp_naive's ranks (notebook 04)")
+    g.add_argument("--slowdown", default="", help="RANK:FACTOR[@STEP],...: e.g. 1:2, rank 1 "
+                   "computes 2x slower (from measured step STEP); ddp_naive")
+    g.add_argument("--skew", type=float, default=d.skew,
+                   help="data skew: the last rank holds (1 + SKEW)x the first rank's samples")
+    g.add_argument("--rebalance-every", type=int, default=d.rebalance_every,
+                   help="--balance dynamic: measured steps between share updates")
     g.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per launch")
     g.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="DDP bucket size in MB (default: DDP's, 25 MB with a 1 MiB first bucket)")
@@ -51,7 +59,8 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "threads": "--threads", "stages": "--stages", "microbatches": "--microbatches",
          "pipeline_impl": "--pipeline-impl", "timeout_s": "--timeout", "world_size": "--world-size",
          "bucket_cap_mb": "--bucket-cap-mb", "accumulate": "--accumulate",
-         "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank"}
+         "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
+         "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -59,7 +68,10 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   seed=args.seed, model=args.model, width=args.width, depth=args.depth,
                   dataset_size=args.dataset_size, device=args.device, backend=args.backend,
                   threads=args.threads, stages=args.stages, microbatches=args.microbatches,
-                  pipeline_impl=args.pipeline_impl, balance=args.balance, timeout_s=args.timeout,
+                  pipeline_impl=args.pipeline_impl, balance=args.balance == "stages",
+                  rebalance=args.balance if args.balance not in (None, "stages") else "static",
+                  slowdown=args.slowdown, skew=args.skew, rebalance_every=args.rebalance_every,
+                  timeout_s=args.timeout,
                   bucket_cap_mb=args.bucket_cap_mb, accumulate=args.accumulate,
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
                   powersgd_rank=args.powersgd_rank)
@@ -67,7 +79,8 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
     try:
         return RunConfig(**fields)
     except ValueError as exc:
-        flag = next((f for name, f in FLAGS.items() if str(exc).startswith(name)), None)
+        flag = next((f for name, f in FLAGS.items() if str(exc).startswith(name)),
+                    "--slowdown" if str(exc).startswith("slowdown") else None)
         raise ValueError(f"{flag}: {exc}" if flag else str(exc)) from None
 
 
@@ -106,9 +119,12 @@ def cmd_compare(args) -> int:
     from . import experiment
     _writable("--json", args.json)
     _writable("--html", args.html)
-    base = config_from_args(args, strategy="single", world_size=1)
-    configs = experiment.grid(base, _csv(args.strategies, flag="--strategies"),
-                              _csv(args.world_sizes, int, flag="--world-sizes"))
+    sizes = _csv(args.world_sizes, int, flag="--world-sizes")
+    balancing = bool(args.slowdown) or args.skew > 0 or args.balance not in (None, "stages")
+    # load-balancing knobs belong to ddp_naive; the base must be a config they are valid on
+    base = config_from_args(args, **(dict(strategy="ddp_naive", world_size=max(sizes))
+                                     if balancing else dict(strategy="single", world_size=1)))
+    configs = experiment.grid(base, _csv(args.strategies, flag="--strategies"), sizes)
     print(f"running {len(configs)} configurations: "
           + ", ".join(experiment.config_label(c) for c in configs), flush=True)
     finished = []

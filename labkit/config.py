@@ -20,6 +20,7 @@ MODELS = ("mlp", "cnn", "unbalanced_mlp")
 DEVICES = ("auto", "cpu", "cuda")
 PIPELINE_IMPLS = ("scratch", "torch")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+REBALANCE = ("static", "dynamic", "join")
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,21 @@ class RunConfig:
     comm_hook: str = "none"      # ddp: "fp16" / "bf16" compression, or "powersgd"
     powersgd_rank: int = 1       # comm_hook="powersgd": matrix approximation rank
 
+    # ---- load balancing (labkit.balance, notebook 04). Knobs of ddp_naive: its gradient sync
+    # runs after backward, so each rank can time how long it waits there for the slowest one.
+    slowdown: tuple = ()         # "1:2" or ((rank, factor, from_step), ...): rank 1 computes 2x slower
+    skew: float = 0.0            # data skew: the last rank holds (1 + skew)x the first rank's samples
+    rebalance: str = "static"    # "dynamic": shares follow measured throughput; "join": uneven inputs
+    rebalance_every: int = 4     # dynamic: measured steps between share updates
+
     # ---- equivalence and your own model (labkit.equivalence, labkit.factories)
     sync_batchnorm: bool = False  # ddp/ddp_naive: batch statistics over the global batch (SyncBN)
     deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final state
     timeout_s: float = 300.0     # a launch (and every collective) gives up after this long
 
     def __post_init__(self) -> None:
+        from .balance import parse_slowdown           # "1:2,0:1.5@10" or pairs -> triples
+        object.__setattr__(self, "slowdown", parse_slowdown(self.slowdown))
         if self.strategy not in STRATEGY_RANKS:
             raise ValueError(
                 f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_RANKS)}")
@@ -122,6 +132,7 @@ class RunConfig:
                 f"global batch {self.global_batch} does not split into {self.accumulate} "
                 f"micro-batches on each of {self.ranks} rank(s): pick a global batch that is a "
                 f"multiple of {self.ranks * self.accumulate}")
+        self._check_balancing()
         if self.dataset_size < self.global_batch:
             raise ValueError(
                 f"dataset_size {self.dataset_size} is smaller than one global batch "
@@ -130,6 +141,38 @@ class RunConfig:
             raise ValueError(f"threads must be at least 1 or None, got {self.threads}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    def _check_balancing(self) -> None:
+        if self.rebalance not in REBALANCE:
+            raise ValueError(f"rebalance must be one of {', '.join(REBALANCE)}, got {self.rebalance!r}")
+        if self.rebalance_every < 1:
+            raise ValueError(f"rebalance_every must be at least 1, got {self.rebalance_every}")
+        if not self.skew >= 0:
+            raise ValueError(f"skew must be >= 0 (the last rank holds 1 + skew times the first "
+                             f"rank's samples), got {self.skew}")
+        if not self.balancing:
+            return
+        if self.strategy != "ddp_naive":
+            raise ValueError(
+                f"slowdown, skew and rebalance are knobs of ddp_naive, whose gradient sync runs "
+                f"after backward, where labkit times each rank's wait for the slowest one (DDP "
+                f"hides that wait inside its overlapped backward): set strategy='ddp_naive' "
+                f"(got {self.strategy!r})")
+        if self.accumulate != 1:
+            raise ValueError(f"load balancing changes each rank's share of every step: set "
+                             f"accumulate=1 (got {self.accumulate})")
+        for rank, factor, _ in self.slowdown:
+            if rank >= self.world_size:
+                raise ValueError(f"slowdown names rank {rank}, but world size {self.world_size} "
+                                 f"has ranks 0..{self.world_size - 1}")
+        if self.global_batch < 2 * self.world_size and self.rebalance == "dynamic":
+            raise ValueError(f"dynamic shares need at least 2 samples per rank: raise global_batch "
+                             f"to {2 * self.world_size} or more")
+
+    @property
+    def balancing(self) -> bool:
+        """Does this run inject heterogeneity or balance load (``labkit.balance``)?"""
+        return bool(self.slowdown) or self.skew > 0 or self.rebalance != "static"
 
     @property
     def ranks(self) -> int:

@@ -68,6 +68,10 @@ def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, *, st
     compare its final parameters and buffers with single-device training's."""
     from .experiment import run
     strategies = [s for s in strategies if s != "single"]
+    if base.rebalance == "join":
+        raise ValueError("rebalance='join' trains uneven inputs: ranks that ran out stop "
+                         "contributing, so the global batches differ from single-device "
+                         "training's by design; check static or dynamic shares instead")
     cfg = base.replace(steps=steps, warmup=0, deterministic=True)
     for name in strategies:                 # every config valid before anything runs
         cfg.replace(strategy=name, world_size=_ws(cfg, name, world_size))
@@ -76,9 +80,11 @@ def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, *, st
     kwargs = dict(data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
                   model_fn=without_dropout(model_fn) if rand else model_fn)
     # the reference is plain single-device training on the whole global batch: no accumulation
-    # (a strategy's accumulate=k must reach the same parameters), no compression
+    # (a strategy's accumulate=k must reach the same parameters), no compression, and no load
+    # balancing (any shares of the global batch must reach the same parameters)
     ref = run(cfg.replace(strategy="single", world_size=1, accumulate=1, comm_hook="none",
-                          sync_every_microstep=False), **kwargs).params
+                          sync_every_microstep=False, slowdown=(), skew=0.0,
+                          rebalance="static"), **kwargs).params
     rows = []
     for name in strategies:
         ws = _ws(cfg, name, world_size)

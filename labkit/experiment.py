@@ -53,6 +53,7 @@ def run(cfg: RunConfig, *, model_fn=None, data_fn=None, loss_fn=None, optimizer_
                      backend=cfg.backend, threads=threads, on_progress=on_progress, cancel=cancel)
     records = finalize([rec for res in results for rec in res["records"]])
     records["oversubscribed"] = oversub is not None
+    records["variant"] = variant(cfg)
     notes += records.attrs.pop("notes", [])
     for res in results:
         notes += [n for n in res.get("notes", []) if n not in notes]
@@ -188,13 +189,14 @@ def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int])
             sizes = [base.stages]
         else:
             sizes = list(world_sizes)
-        configs += [base.replace(strategy=name, world_size=w) for w in sizes]
+        # single is the reference: never slowed or balanced (those are ddp_naive's knobs)
+        plain = dict(slowdown=(), skew=0.0, rebalance="static") if name == "single" else {}
+        configs += [base.replace(strategy=name, world_size=w, **plain) for w in sizes]
     if "single" in strategies and resolve_device(base.device, 1) == "cpu" and base.threads is None:
         whole = _threads_for(base.replace(strategy="single", world_size=1), "cpu")
         shares = sorted({_threads_for(c, "cpu") for c in configs} - {whole})
         at = next(i for i, c in enumerate(configs) if c.strategy == "single") + 1
-        configs[at:at] = [base.replace(strategy="single", world_size=1, threads=t)
-                          for t in shares]
+        configs[at:at] = [configs[at - 1].replace(threads=t) for t in shares]
     return configs
 
 
@@ -229,22 +231,44 @@ def combine(results: Sequence[RunResult]) -> pd.DataFrame:
 BUSY_SHARE = 0.6
 
 
-def run_label(strategy: str, world_size: int, threads) -> str:
-    """How a run is named in tables and charts: ``ddp@2``; single says its thread count."""
+def run_label(strategy: str, world_size: int, threads, variant: str = "") -> str:
+    """How a run is named in tables and charts: ``ddp@2``; single says its thread count; a
+    load-balancing run its policy and heterogeneity (``ddp_naive@2 dynamic, slow 1:2``)."""
     if strategy == "single":
         return f"single ({int(threads)} thread{'s' if threads != 1 else ''})"
-    return f"{strategy}@{world_size}"
+    return f"{strategy}@{world_size}" + (f" {variant}" if isinstance(variant, str) and variant
+                                          else "")
+
+
+def variant(cfg: RunConfig) -> str:
+    """What tells two runs of one strategy and world size apart in a lab: the load-balancing
+    policy and the injected heterogeneity; "" for a plain run."""
+    if not cfg.balancing:
+        return ""
+    from .balance import format_slowdown
+    return ", ".join([cfg.rebalance] + ([f"slow {format_slowdown(cfg.slowdown)}"]
+                                        if cfg.slowdown else [])
+                     + ([f"skew {cfg.skew:g}"] if cfg.skew else []))
 
 
 def config_label(cfg: RunConfig) -> str:
     """``run_label`` of a config before it runs (threads resolved as ``run`` will)."""
     kind = resolve_device(cfg.device, cfg.ranks)
-    return run_label(cfg.strategy, cfg.world_size, cfg.threads or _threads_for(cfg, kind))
+    return run_label(cfg.strategy, cfg.world_size, cfg.threads or _threads_for(cfg, kind),
+                     variant(cfg))
 
 
 def _runs(records: pd.DataFrame):
-    keys = ["strategy", "world_size"] + (["threads"] if "threads" in records else [])
+    keys = ["strategy", "world_size"] + [k for k in ("threads", "variant") if k in records]
+    if "variant" in records:
+        records = records.assign(variant=records["variant"].fillna(""))
     return records.groupby(keys, sort=False)
+
+
+def _labels(med: pd.DataFrame) -> list[str]:
+    variants = med["variant"] if "variant" in med else [""] * len(med)
+    return [run_label(s, w, t, v) for s, w, t, v in
+            zip(med["strategy"], med["world_size"], med["threads"], variants)]
 
 
 def median_steps(records: pd.DataFrame) -> pd.DataFrame:
@@ -272,6 +296,8 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     row is not comparable; loss: the global batch's loss at the last step; bytes_per_sample:
     gradient bytes a rank all-reduces per optimizer step over the samples it trains on in it;
     comm_total_ms: time any all-reduce was in flight; hidden_ms: the part of it not exposed.
+    Load-balancing runs add ``labkit.balance.throughput``'s whole-run columns
+    (throughput_fraction against the sum of the ranks' solo throughputs, wait_share).
     """
     if records.empty:
         return pd.DataFrame()
@@ -279,8 +305,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         records = records.assign(threads=1)
     med = median_steps(records)
     table = pd.DataFrame({
-        "run": [run_label(s, w, t) for s, w, t in
-                zip(med["strategy"], med["world_size"], med["threads"])],
+        "run": _labels(med),
         "strategy": med["strategy"], "world_size": med["world_size"].astype(int),
         "threads": med["threads"].astype(int),
         "device": med["device"] if "device" in med else "cpu",
@@ -308,6 +333,11 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
         for col in ("bubble_fraction", "bubble_predicted", "bubble_theory"):
             table[col] = [step_bubbles(g, column=col).median() if col in g else math.nan
                           for _, g in runs]
+    if "share" in records:                 # load balancing: against what the ranks could do alone
+        from .balance import throughput
+        lb = pd.DataFrame([throughput(g) if g["share"].notna().any() else {} for _, g in runs])
+        for col in lb:
+            table[col] = lb[col].to_numpy()
     if "oversubscribed" in records:
         table["oversubscribed"] = [bool(g["oversubscribed"].any()) for _, g in runs]
     return table
@@ -328,9 +358,8 @@ def step_bubbles(records: pd.DataFrame, min_cpu_share: float | None = None,
 def phase_breakdown(records: pd.DataFrame) -> pd.DataFrame:
     """Seconds per phase of each run's median step, on the rank that gated it."""
     med = median_steps(records if "threads" in records else records.assign(threads=1))
-    med.insert(0, "run", [run_label(s, w, t) for s, w, t in
-                          zip(med["strategy"], med["world_size"], med["threads"])])
-    return med[["run", "strategy", "world_size", *TIME_COLUMNS]]
+    med.insert(0, "run", _labels(med))
+    return med[["run", "strategy", "world_size", *(c for c in TIME_COLUMNS if c in med)]]
 
 
 def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, **kwargs):

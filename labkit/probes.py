@@ -1,6 +1,8 @@
 """Per-step, per-rank timing and memory probes: one flat record per (rank, step).
 
-Phases: data (wait for the batch and move it), forward, backward, comm (communication that
+Phases: data (wait for the batch and move it), forward, backward, wait (load balancing: time
+blocked at the arrival point before the gradient all-reduce until the slowest rank got there;
+``labkit.balance``), comm (communication that
 is *exposed*, i.e. not hidden behind backward compute), sync_overhead (gradient-sync machinery
 that ran with no peer to talk to: DDP's reducer or a one-rank all-reduce at world size 1; filled
 in by ``experiment.finalize``), optimizer (step + zero_grad). They add up to ``step_s``.
@@ -25,7 +27,7 @@ import time
 
 import torch
 
-PHASES = ("data", "forward", "backward", "comm", "sync_overhead", "optimizer")
+PHASES = ("data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer")
 TIME_COLUMNS = tuple(f"{p}_s" for p in PHASES) + ("step_s",)
 
 

@@ -41,6 +41,9 @@ def people_table(table: pd.DataFrame) -> pd.DataFrame:
         for col, name in (("bubble_fraction", "bubble"), ("bubble_predicted", "predicted"),
                           ("bubble_theory", "(P-1)/(M+P-1)")):
             out[name] = [_num(v, ".2f") for v in table[col]]
+    if "throughput_fraction" in table:     # load balancing: whole-run figures
+        out["of ideal (sum of solo)"] = [_pct(v) for v in table["throughput_fraction"]]
+        out["waiting"] = [_pct(v) for v in table["wait_share"]]
     out["loss (global batch)"] = [_num(v, ".4f") for v in table["loss"]]
     if "cpu_share" in table:
         out["CPU share"] = [_pct(v) for v in table["cpu_share"]]
@@ -86,6 +89,16 @@ def explain(table: pd.DataFrame) -> str:
                 f"schedule simulated on this run's measured stage times, hand-offs and dispatch "
                 f"predicted {_pct(row['bubble_predicted'])}, the closed form "
                 f"(P-1)/(M+P-1) {_pct(row['bubble_theory'])} (it counts hand-offs as free).")
+            continue
+        if not math.isnan(row.get("throughput_fraction", math.nan)):
+            lines.append(
+                f"{row['run']}: {row['samples_per_s_run']:,.0f} samples/s over the run, "
+                f"{_pct(row['throughput_fraction'])} of the {row['ideal_samples_per_s']:,.0f} its "
+                f"ranks would train alone (the sum of each rank's samples over its own compute "
+                f"time); the ranks spent {_pct(row['wait_share'])} of their time waiting at the "
+                f"sync for the slowest one. Each step ends when the slowest rank does, so a static "
+                f"split runs at the straggler's pace; shares that follow throughput give the "
+                f"slow rank less work until every rank computes equally long.")
             continue
         if STRATEGY_RANKS[row["strategy"]] == "one" and str(row["device"]).startswith("cpu"):
             lines.append(f"{row['run']} is one process: DataParallel splits a batch over GPUs "

@@ -8,7 +8,7 @@ from ..experiment import phase_breakdown, run_label
 from ..probes import PHASES
 
 PHASE_COLORS = {"data": "#9e9e9e", "forward": "#4c78a8", "backward": "#f58518",
-                "comm": "#e45756", "sync_overhead": "#b279a2", "optimizer": "#54a24b"}
+                "wait": "#bab0ac", "comm": "#e45756", "sync_overhead": "#b279a2", "optimizer": "#54a24b"}
 
 
 def throughput(table: pd.DataFrame) -> go.Figure:
@@ -75,8 +75,9 @@ def loss_curves(records: pd.DataFrame) -> go.Figure:
 def records_label(records: pd.DataFrame) -> pd.Series:
     """Each record's run label (``experiment.run_label``)."""
     threads = records["threads"] if "threads" in records else pd.Series(1, index=records.index)
-    return pd.Series([run_label(s, w, t) for s, w, t in
-                      zip(records["strategy"], records["world_size"], threads)],
+    variants = records["variant"].fillna("") if "variant" in records else [""] * len(records)
+    return pd.Series([run_label(s, w, t, v) for s, w, t, v in
+                      zip(records["strategy"], records["world_size"], threads, variants)],
                      index=records.index)
 
 

@@ -253,3 +253,47 @@ def scaling(profile: Profile, network: CollectiveModel, strategy: str, world_siz
         p = predict(profile, network, strategy if n > 1 else "single", n, batch_per_rank * n, **knobs)
         rows.append({**p.as_dict(), "efficiency": p.samples_per_s / (n * one)})
     return rows
+
+
+def predict_balance(profile: Profile, network: CollectiveModel, world_size: int,
+                    global_batch: int, slowdown: Sequence[float] | None = None, *,
+                    policy: str = "static", weights: Sequence[float] | None = None) -> dict:
+    """``ddp_naive`` on ranks of unequal speed (``labkit.balance``): each rank computes its share
+    of the global batch ``slowdown[r]`` times slower than profiled, the step waits for the
+    slowest, then the all-reduce and the optimizer.
+
+    ``policy="static"``: shares in proportion to ``weights`` (even, or the data skew);
+    ``"dynamic"``: the shares the rebalancer settles on, where shares in proportion to measured
+    throughput stop moving: every rank computes equally long. Returns the step, each rank's
+    share, compute and wait, and the throughput against the sum of the ranks' solo throughputs
+    (the measured ``throughput_fraction``'s prediction)."""
+    from ..balance import split
+    factors = list(slowdown or [1.0] * world_size)
+    if len(factors) != world_size:
+        raise ValueError(f"slowdown has {len(factors)} factors for {world_size} ranks")
+
+    def compute(r: int, n: float) -> float:          # data + slowed forward and backward
+        layers = profile.at_batch(max(n, 1e-9)).layers
+        fb = sum(x.forward_s + x.backward_s for x in layers)
+        return profile.data_s * n / profile.batch + factors[r] * fb
+
+    if policy == "dynamic":
+        shares = [global_batch / world_size] * world_size
+        for _ in range(200):                          # shares <- shares x rate, to the fixed point
+            rates = [n / compute(r, n) for r, n in enumerate(shares)]
+            shares = [global_batch * x / sum(rates) for x in rates]
+        shares = split(global_batch, shares)
+    elif policy == "static":
+        shares = split(global_batch, weights or [1.0] * world_size)
+    else:
+        raise ValueError(f"policy must be static or dynamic, got {policy!r}")
+    own = [compute(r, n) for r, n in enumerate(shares)]
+    comm = sum(network.time("all_reduce", nbytes, world_size)
+               for layer in profile.layers for nbytes in layer.grad_bytes) if world_size > 1 else 0.0
+    step = max(own) + comm + profile.optimizer_s
+    ideal = sum(n / (c + profile.optimizer_s) for n, c in zip(shares, own))
+    return {"policy": policy, "shares": shares, "compute_s": own,
+            "wait_s": [max(own) - c for c in own], "comm_s": comm,
+            "optimizer_s": profile.optimizer_s, "step_s": step,
+            "samples_per_s": global_batch / step, "ideal_samples_per_s": ideal,
+            "throughput_fraction": global_batch / step / ideal}

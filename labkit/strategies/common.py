@@ -18,6 +18,7 @@ from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
+from ..balance import Balancer, join_context
 from ..probes import StepProbe, sync
 
 DATA_PARALLEL = ("ddp", "ddp_naive")        # strategies that may synchronise batch statistics
@@ -72,7 +73,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                calibrate: Callable[[nn.Module], float] | None = None,
                comm_bytes: int | Callable[[], int] = 0,
                comm_total: Callable[[], float] | None = None, unwrapped: nn.Module | None = None,
-               notes: list[str] | None = None) -> dict:
+               notes: list[str] | None = None, balancer: "Balancer | None" = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
@@ -86,6 +87,9 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     ``comm_total()``: seconds any all-reduce was in flight during the step (DDP's timed hook);
     without it, communication is synchronous and all of it is the exposed ``comm`` phase.
     ``unwrapped``: the plain model inside a wrapper (its state names are the ones ``single`` has).
+    ``balancer`` (``labkit.balance``, ddp_naive): this rank's slice of each global batch and its
+    loss weight, the injected slowdown, the timed arrival before the all-reduce (``wait``
+    phase), share updates, and under join the steps this rank's data lasts.
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
     optimizer = fns.optimizer(cfg, model.parameters())
@@ -95,39 +99,57 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                       accumulate=cfg.accumulate)
     k = cfg.accumulate
     syncs = k if cfg.sync_every_microstep else 1          # synchronisations per optimizer step
-    comm_baseline_s, records, total = None, [], cfg.warmup + cfg.steps
-    progress = Progress(ctx, cfg.steps)           # measured steps only
-    for i in range(total):
-        if i == cfg.warmup and calibrate is not None:
-            comm_baseline_s = k * calibrate(loss_fn)
-        probe.start()
-        losses, samples = [], 0
-        for j in range(k):
-            sync_now = j == k - 1 or cfg.sync_every_microstep
-            x, y = next(data)
-            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
-            probe.mark("data")
-            with nullcontext() if sync_now or not hasattr(model, "no_sync") else model.no_sync():
-                loss = loss_fn(model(x), y)
-                probe.mark("forward")
-                (loss / k if k > 1 else loss).backward()
-                probe.mark("backward")
-            if sync_grads is not None and sync_now:
-                sync_grads()
-            probe.mark("comm")
-            losses.append(loss.detach() * len(x))
-            samples += len(x)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        probe.mark("optimizer")
-        sent = comm_bytes() if callable(comm_bytes) else syncs * comm_bytes
-        shard_loss = (torch.stack(losses).sum() / samples).item()
-        rec = probe.finish(i - cfg.warmup, shard_loss, samples, comm_baseline_s=comm_baseline_s,
-                           comm_bytes=sent)
-        rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
-        if i >= cfg.warmup:
-            records.append(rec)
-            progress(i + 1 - cfg.warmup, rec["shard_loss"], samples)
+    bal = balancer
+    total = cfg.warmup + cfg.steps if bal is None else bal.steps(cfg.warmup + cfg.steps)
+    comm_baseline_s, records = None, []
+    progress = Progress(ctx, total - cfg.warmup)  # measured steps only
+    with join_context(bal):
+        for i in range(total):
+            if i == cfg.warmup and calibrate is not None:
+                comm_baseline_s = k * calibrate(loss_fn)
+            probe.start()
+            extra, losses, samples = {}, [], 0
+            if bal is not None:
+                bal.begin()
+                extra = {"slowdown": 1.0}
+            for j in range(k):
+                sync_now = j == k - 1 or cfg.sync_every_microstep
+                x, y = next(data) if bal is None or bal.joinable else bal.batch()
+                x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+                probe.mark("data")
+                t_compute = time.perf_counter()
+                no_sync = sync_now or not hasattr(model, "no_sync")
+                with nullcontext() if no_sync else model.no_sync():
+                    loss = loss_fn(model(x), y)
+                    probe.mark("forward")
+                    scale = (1 / k) * (bal.loss_scale if bal is not None and not bal.joinable else 1)
+                    (loss * scale if scale != 1 else loss).backward()
+                    if bal is not None:       # a slower device: sleep, leave the core to others
+                        extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
+                    probe.mark("backward")
+                if bal is not None and sync_now:
+                    bal.arrive(samples + len(x))
+                    probe.mark("wait")
+                if sync_grads is not None and sync_now:
+                    sync_grads()
+                probe.mark("comm")
+                losses.append(loss.detach() * len(x))
+                samples += len(x)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            probe.mark("optimizer")
+            sent = comm_bytes() if callable(comm_bytes) else syncs * comm_bytes
+            shard_loss = (torch.stack(losses).sum() / samples).item()
+            if bal is not None:
+                extra["share"] = samples / cfg.global_batch
+            rec = probe.finish(i - cfg.warmup, shard_loss, samples,
+                               comm_baseline_s=comm_baseline_s, comm_bytes=sent, **extra)
+            rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
+            if bal is not None:
+                bal.end_step(i - cfg.warmup)
+            if i >= cfg.warmup:
+                records.append(rec)
+                progress(i + 1 - cfg.warmup, rec["shard_loss"], samples)
     return {"records": records, "notes": notes or [],
             "params": final_state(cfg, unwrapped if unwrapped is not None else model)}
 

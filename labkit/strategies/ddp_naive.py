@@ -2,7 +2,9 @@
 
 Start from identical weights (broadcast from rank 0), and after every backward all-reduce each
 gradient on its own and divide by the world size. Correct, but every all-reduce waits for the
-whole backward to finish and pays one latency per parameter tensor.
+whole backward to finish and pays one latency per parameter tensor. Because the sync is one
+explicit point after backward, this is also where the load-balancing lab (``labkit.balance``)
+times each rank's wait for the slowest one and re-weights unequal shares of the batch.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
+from ..balance import Balancer, JoinableSync
 from ..probes import grad_bytes
 from .common import build_model, data_iter, train_loop
 
@@ -19,8 +22,9 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     for p in model.parameters():
         dist.broadcast(p.data, src=0)
+    dataset = fns.dataset(cfg)
     data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
-                        batch_size=cfg.batch_per_rank)
+                        batch_size=cfg.batch_per_rank, dataset=dataset)
 
     def sync_grads() -> None:
         for p in model.parameters():
@@ -28,5 +32,11 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad /= ctx.world_size
 
+    balancer = None
+    if cfg.balancing:
+        balancer = Balancer(cfg, ctx.rank, ctx.world_size, ctx.device, dataset)
+        if cfg.rebalance == "join":          # uneven inputs: the joinable twin of sync_grads
+            balancer.joinable = JoinableSync(model, ctx.device)
+            sync_grads = lambda: balancer.joinable.reduce(balancer.samples)  # noqa: E731
     return train_loop(cfg, ctx, model, data, strategy="ddp_naive", fns=fns, sync_grads=sync_grads,
-                      comm_bytes=grad_bytes(model))
+                      comm_bytes=grad_bytes(model), balancer=balancer)

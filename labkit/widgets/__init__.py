@@ -1,9 +1,11 @@
 """ipywidgets panels: one shared background-run mechanism (``base.BackgroundRun``) and one
 module per lab's panel."""
+from .balance_panel import BalancePanel, balance_panel
 from .base import BackgroundRun, mime_output
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
 from .pipeline_panel import PipelinePanel, last_step_events, pipeline_panel
 from .run_panel import RunPanel, run_panel, world_sizes_upto
 
 __all__ = ["BackgroundRun", "mime_output", "RunPanel", "run_panel", "world_sizes_upto",
-           "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel", "comm_panel"]
+           "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel", "comm_panel",
+           "BalancePanel", "balance_panel"]

@@ -1,0 +1,435 @@
+"""Load balancing in data parallelism: stragglers, data skew, dynamic shares and uneven inputs.
+
+Every data-parallel step ends at a synchronisation that the slowest rank gates: a rank that is
+twice as slow (an older GPU, a busy node) makes every other rank wait for it, every step. This
+module makes that visible and fixes it, on ``ddp_naive`` (whose gradient all-reduce runs after
+backward, so each rank can time its wait there; DDP hides the same wait inside its overlapped
+backward):
+
+* **slowdown** (``RunConfig.slowdown``): rank r computes ``factor`` times slower. After each
+  backward it sleeps ``(factor - 1)`` times the compute it just did, so it really takes longer
+  per sample without burning the core a faster rank needs.
+* **skew** (``RunConfig.skew``): the ranks hold unequal amounts of data (the last rank
+  ``1 + skew`` times the first's, linearly in between).
+* **arrival**: before the gradient all-reduce every rank all-gathers how long it computed. The
+  all-gather returns when the last rank arrives, so its duration is this rank's **wait**; the
+  gathered times tell every rank, identically, how fast each rank is.
+* **dynamic shares** (``rebalance="dynamic"``): every ``rebalance_every`` steps each rank's share
+  of the global batch is set in proportion to its measured throughput (samples per second of
+  compute). Each rank's loss is weighted by its share (``n_r * world_size / B``), so after the
+  all-reduce's average the gradient is exactly the whole global batch's mean gradient: the same
+  update as single-device training, whatever the shares.
+* **join** (``rebalance="join"``): uneven inputs. Each rank runs through its own data at a fixed
+  batch, so a rank with more data runs more steps; ``torch.distributed.algorithms.Join`` lets the
+  ranks that ran out shadow the all-reduces of those still training (``JoinableSync``, the
+  from-scratch twin of ``DistributedDataParallel.join()``). ``uneven_inputs`` shows the hang
+  that happens without it, bounded by a timeout.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.utils.data import DistributedSampler
+from torch.utils.data._utils.collate import default_collate
+
+
+# ---- heterogeneity: who is slow, who holds more data --------------------------------------------
+
+def parse_slowdown(spec) -> tuple[tuple[int, float, int | None], ...]:
+    """``"1:2"``, ``"1:2@10,0:1.5"``, ``{1: 2.0}`` or ``((1, 2.0), (0, 1.5, 10))`` ->
+    ``((rank, factor, from_step), ...)``; ``from_step`` None: from the first step (warm-up too)."""
+    if spec is None or spec == "" or spec == ():
+        return ()
+    if isinstance(spec, str):
+        items = []
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            rank_factor, _, start = part.partition("@")
+            rank, sep, factor = rank_factor.partition(":")
+            try:
+                items.append((int(rank), float(factor), int(start) if start else None))
+            except ValueError:
+                raise ValueError(f"slowdown {part!r} is not RANK:FACTOR[@STEP], e.g. '1:2' (rank 1 "
+                                 f"computes 2x slower) or '1:2@10' (from step 10)") from None
+            if not sep:
+                raise ValueError(f"slowdown {part!r} is not RANK:FACTOR[@STEP], e.g. '1:2'")
+        spec = items
+    elif isinstance(spec, dict):
+        spec = list(spec.items())
+    out = []
+    for item in spec:
+        rank, factor, start = (tuple(item) + (None,))[:3]
+        if int(rank) != rank or rank < 0:
+            raise ValueError(f"slowdown rank must be a whole number >= 0, got {rank!r}")
+        if not float(factor) >= 1:
+            raise ValueError(f"slowdown factor {factor} for rank {rank} is below 1: a rank cannot "
+                             f"be made faster than its device; slow the other ranks down instead")
+        out.append((int(rank), float(factor), None if start is None else int(start)))
+    if len({r for r, _, _ in out}) != len(out):
+        raise ValueError(f"slowdown names a rank twice: {spec!r}")
+    return tuple(sorted(out))
+
+
+def format_slowdown(slowdown) -> str:
+    """The CLI spelling of a parsed slowdown: ``"1:2"``, ``"1:2@10"``."""
+    return ",".join(f"{r}:{f:g}" + ("" if s is None else f"@{s}") for r, f, s in slowdown)
+
+
+def slowdown_at(slowdown, rank: int, step: int) -> float:
+    """How many times slower ``rank`` computes at ``step`` (negative steps are warm-up)."""
+    for r, factor, start in slowdown:
+        if r == rank and (start is None or step >= start):
+            return factor
+    return 1.0
+
+
+def skew_weights(world_size: int, skew: float) -> list[float]:
+    """Data held per rank, relative: 1 for rank 0 up to 1 + skew for the last, linearly."""
+    if world_size == 1:
+        return [1.0]
+    return [1.0 + skew * r / (world_size - 1) for r in range(world_size)]
+
+
+def split(total: int, weights, minimum: int = 1) -> list[int]:
+    """``total`` samples in whole shares proportional to ``weights`` (largest remainder), each at
+    least ``minimum``."""
+    n = len(weights)
+    if total < minimum * n:
+        raise ValueError(f"{total} samples cannot give {n} ranks {minimum} each")
+    spare = total - minimum * n
+    w = [max(0.0, float(x)) for x in weights]
+    if not sum(w) > 0 or not all(math.isfinite(x) for x in w):
+        w = [1.0] * n
+    exact = [spare * x / sum(w) for x in w]
+    shares = [math.floor(e) for e in exact]
+    order = sorted(range(n), key=lambda r: (exact[r] - shares[r], -r), reverse=True)
+    for r in order[:spare - sum(shares)]:
+        shares[r] += 1
+    return [s + minimum for s in shares]
+
+
+# ---- the rank side: what the shared training loop calls -----------------------------------------
+
+@dataclass
+class Balancer:
+    """One rank's load-balancing state inside ``strategies.common.train_loop``.
+
+    static / dynamic: every step draws the same global batch single-device training draws and
+    takes this rank's slice of it (``shares``); join: the rank's own shard at a fixed batch, for
+    as many steps as its data lasts."""
+
+    cfg: object                       # RunConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    dataset: object
+    joinable: JoinableSync | None = None       # rebalance="join": the strategy's sync
+    shares: list[int] = field(default_factory=list)
+    samples: int = 0                           # this rank's samples in the current step
+    window: list[list[tuple[float, float]]] = field(default_factory=list)   # per step, per rank
+    updates: int = 0
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.weights = skew_weights(self.world_size, cfg.skew)
+        self.shares = split(cfg.global_batch, self.weights)
+        self._order = _global_batches(self.dataset, cfg.global_batch, cfg.seed)
+        self._t0 = 0.0
+
+    # -- data
+    def batch(self):
+        """This rank's slice of the next global batch (every rank draws the same one)."""
+        idx = next(self._order)
+        start = sum(self.shares[:self.rank])
+        mine = idx[start:start + self.shares[self.rank]]
+        return default_collate([self.dataset[i] for i in mine])
+
+    @property
+    def loss_scale(self) -> float:
+        """Weight of this rank's mean loss so that the all-reduce's average (sum / world size)
+        is the global batch's mean gradient: n_r * world_size / B."""
+        return self.shares[self.rank] * self.world_size / self.cfg.global_batch
+
+    def steps(self, total: int) -> int:
+        """Steps this rank trains (warm-up included): all of them, except under join, where a
+        rank with less data runs out sooner (rank r: ``total * weight_r / max weight``)."""
+        if self.cfg.rebalance != "join":
+            return total
+        return max(1, round(total * self.weights[self.rank] / max(self.weights)))
+
+    # -- compute and arrival
+    def begin(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def slow_down(self, step: int, since: float) -> float:
+        """Sleep (factor - 1) x the compute since ``since``; return the factor."""
+        factor = slowdown_at(self.cfg.slowdown, self.rank, step)
+        if factor > 1:
+            time.sleep((factor - 1) * (time.perf_counter() - since))
+        return factor
+
+    def arrive(self, samples: int) -> float:
+        """All-gather (compute seconds, samples) of every rank; return the seconds this rank
+        waited for the last one to arrive. Under join: notify the join context instead."""
+        self.samples = samples
+        if self.joinable is not None:
+            return self.joinable.notify()
+        compute = time.perf_counter() - self._t0
+        mine = torch.tensor([compute, float(samples)], dtype=torch.float64, device=self.device)
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        t = time.perf_counter()
+        dist.all_gather(every, mine)
+        wait = time.perf_counter() - t
+        self.window.append([(float(c), float(n)) for c, n in (e.tolist() for e in every)])
+        return wait
+
+    def end_step(self, step: int) -> None:
+        """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput."""
+        if step < 0:
+            self.window.clear()                  # warm-up steps pay one-off costs: not evidence
+            return
+        if self.cfg.rebalance != "dynamic" or (step + 1) % self.cfg.rebalance_every:
+            return
+        rates = [sum(n for _, n in (s[r] for s in self.window)) /
+                 max(1e-9, sum(c for c, _ in (s[r] for s in self.window)))
+                 for r in range(self.world_size)]
+        self.shares = split(self.cfg.global_batch, rates)
+        self.window.clear()
+        self.updates += 1
+
+
+def _global_batches(dataset, batch: int, seed: int):
+    """Endless index blocks of ``batch``: the order single-device training's loader draws
+    (``DistributedSampler`` with one replica, reshuffled every epoch, last partial batch
+    dropped), so every rank's slice of block k comes from single's step-k batch."""
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed,
+                                 drop_last=True)
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for i in range(0, len(order) - batch + 1, batch):
+            yield order[i:i + batch]
+        epoch += 1
+
+
+# ---- join: uneven inputs, with a Joinable written by hand ----------------------------------------
+
+class JoinableSync(Joinable):
+    """``ddp_naive``'s gradient all-reduce, joinable: averaged over the samples of the ranks
+    still training, and shadowed (zeros all-reduced in the same order) by ranks that ran out.
+
+    ``notify()`` tells the join context this rank is still training (an all-reduce that the
+    joined ranks answer; timed, it is this rank's wait for the others); ``reduce(samples)``
+    all-reduces the sample count, then each gradient times this rank's samples, and divides by
+    the total: the sample-weighted mean gradient over the ranks still training."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        super().__init__()
+        self.model, self.device = model, device
+
+    def notify(self) -> float:
+        t = time.perf_counter()
+        Join.notify_join_context(self)
+        return time.perf_counter() - t
+
+    def reduce(self, samples: int) -> None:
+        n = torch.tensor([float(samples)], device=self.device)
+        dist.all_reduce(n)
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.mul_(samples)
+            dist.all_reduce(p.grad)
+            p.grad.div_(n)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _Shadow(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+
+class _Shadow(JoinHook):
+    """What a rank that ran out of data does for each step the others still take."""
+
+    def __init__(self, sync: JoinableSync):
+        self.sync = sync
+
+    def main_hook(self) -> None:
+        dist.all_reduce(torch.zeros(1, device=self.sync.device))         # no samples from me
+        for p in self.sync.model.parameters():
+            dist.all_reduce(torch.zeros_like(p))
+
+
+def join_context(balancer: "Balancer | None"):
+    """``Join([sync])`` when the balancer has a joinable sync (``rebalance="join"``)."""
+    if balancer is None or balancer.joinable is None:
+        return nullcontext()
+    return Join([balancer.joinable])
+
+
+# ---- what the records say: throughput against the ideal ----------------------------------------
+
+def throughput(records) -> dict:
+    """One run's throughput against what its ranks could do alone, from its records.
+
+    Over the whole run (dynamic shares adapt during it, so a median step would hide that):
+    ``samples_per_s``: samples trained / the steps' gated time (each step ends when its slowest
+    rank does); a rank's solo throughput: its samples / its own compute time (its step minus
+    its wait and communication: what it does alone); ``ideal_samples_per_s``: the sum of the
+    ranks' solo throughputs; ``throughput_fraction``: the first over the second (communication,
+    waiting and a rank left idle all lower it); ``wait_share``: of all rank-seconds, the share
+    spent waiting at the arrival point."""
+    steps = records.groupby("step").agg(samples=("samples", "sum"), step_s=("step_s", "max"))
+    own = records["step_s"] - records["wait_s"] - records["comm_s"] \
+        - records.get("sync_overhead_s", 0.0)
+    per_rank = records.assign(own=own).groupby("rank").agg(samples=("samples", "sum"),
+                                                           own=("own", "sum"))
+    measured = steps["samples"].sum() / steps["step_s"].sum()
+    ideal = float((per_rank["samples"] / per_rank["own"]).sum())
+    return {"samples_per_s_run": measured, "ideal_samples_per_s": ideal,
+            "throughput_fraction": measured / ideal,
+            "wait_share": float(records["wait_s"].sum() / records["step_s"].sum())}
+
+
+# ---- uneven inputs: the hang, bounded, and the fix ----------------------------------------------
+
+class UnevenInputsError(RuntimeError):
+    """A rank ran out of data while others were still all-reducing (the run was stopped)."""
+
+
+def uneven_inputs(batches=(5, 3), *, join: bool = False, cfg=None, timeout_s: float = 6.0):
+    """DDP on ranks holding different numbers of batches (``batches[r]`` for rank r).
+
+    Without join, the rank that runs out leaves the training loop while the others wait in
+    their next gradient all-reduce for a partner that never comes: a hung job. labkit bounds it
+    by ``timeout_s`` and raises ``UnevenInputsError`` naming the rank that ran out. With
+    ``join=True`` the loop runs under ``Join([ddp_model])`` (what ``ddp_model.join()`` does):
+    a rank that ran out answers the others' all-reduces with zeros until every rank is done,
+    and DDP divides by the ranks still training. Returns one row per rank."""
+    import pandas as pd
+
+    from .config import RunConfig
+    from .launch import LaunchError, launch
+
+    cfg = cfg or RunConfig(strategy="ddp", world_size=len(batches), global_batch=32 * len(batches))
+    cfg = cfg.replace(strategy="ddp", world_size=len(batches))
+    seen: dict[int, dict] = {}
+    try:
+        rows = launch(_uneven_rank, len(batches), args=(cfg, tuple(batches), join),
+                      timeout_s=timeout_s, device=cfg.device,
+                      on_progress=lambda rank, m: seen.__setitem__(rank, m))
+    except LaunchError as exc:
+        if join:
+            raise
+        raise UnevenInputsError(_uneven_message(batches, seen, timeout_s)) from exc
+    return pd.DataFrame(rows)
+
+
+def _uneven_message(batches, seen: dict, timeout_s: float) -> str:
+    out = [r for r, m in seen.items() if m.get("done")]
+    stuck = [r for r in range(len(batches)) if r not in out]
+    first = min(out, default=min(range(len(batches)), key=lambda r: batches[r]))
+    waiting = ", ".join(f"rank {r} (batch {seen.get(r, {}).get('batch', 0) + 1} of {batches[r]})"
+                        for r in stuck)
+    return (f"rank {first} ran out of data after {batches[first]} batches while {waiting} still "
+            f"trained: the gradient all-reduce of the next batch waited for rank {first}, which "
+            f"never came, until labkit's {timeout_s:g} s timeout stopped every rank (without a "
+            f"timeout the job hangs forever). Fix: train under `with Join([ddp_model]):` (or "
+            f"`with ddp_model.join():`), or give every rank the same number of batches "
+            f"(DistributedSampler pads its shards with repeated samples, or drop_last=True drops "
+            f"the remainder)")
+
+
+def _uneven_rank(ctx, cfg, batches, join: bool) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .data import batches as endless, shard_loader
+    from .factories import Factories
+    fns = Factories()
+    torch.manual_seed(cfg.seed)
+    model = fns.model(cfg).to(ctx.device)
+    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    loss_fn, optimizer = fns.loss(cfg), fns.optimizer(cfg, ddp.parameters())
+    data = endless(shard_loader(fns.dataset(cfg), cfg.global_batch // ctx.world_size, ctx.rank,
+                                ctx.world_size, seed=cfg.seed))
+    mine = batches[ctx.rank]
+    t0 = time.perf_counter()
+    with Join([ddp]) if join else nullcontext():
+        for i in range(mine):
+            x, y = (t.to(ctx.device) for t in next(data))
+            loss_fn(ddp(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            ctx.report(batch=i + 1, of=mine)
+        trained = time.perf_counter() - t0
+        ctx.report(batch=mine, of=mine, done=True)
+    total = time.perf_counter() - t0
+    return {"rank": ctx.rank, "batches": mine, "trained_s": trained,
+            "shadowed_steps": max(batches) - mine if join else 0,
+            "joined_s": total - trained}
+
+
+def sampler_padding(dataset_size: int, world_size: int) -> "pd.DataFrame":
+    """What ``DistributedSampler`` does when ``dataset_size`` does not divide by ``world_size``,
+    counted by running it: with ``drop_last=False`` it pads the shards with repeated samples
+    (every rank gets the same count, some samples are seen twice); with ``drop_last=True`` it
+    drops the remainder (some samples are never seen this epoch)."""
+    import pandas as pd
+
+    class _Sized:
+        def __len__(self):
+            return dataset_size
+    rows = []
+    for drop_last in (False, True):
+        shards = [list(DistributedSampler(_Sized(), num_replicas=world_size, rank=r,
+                                          shuffle=True, seed=0, drop_last=drop_last))
+                  for r in range(world_size)]
+        seen = [i for s in shards for i in s]
+        rows.append({"drop_last": drop_last, "dataset_size": dataset_size,
+                     "world_size": world_size, "per_rank": len(shards[0]),
+                     "seen": len(seen), "repeated": len(seen) - len(set(seen)),
+                     "dropped": dataset_size - len(set(seen))})
+    return pd.DataFrame(rows)
+
+
+# ---- prediction beside measurement --------------------------------------------------------------
+
+def prediction_rows(table, configs, profile, network):
+    """Per load-balancing run: the median step measured beside ``labkit.predict.step``'s
+    ``predict_balance`` (steady state: each rank's final slowdown; dynamic shares at their
+    fixed point), and the throughput fraction measured (whole run) beside predicted."""
+    import pandas as pd
+
+    from .experiment import config_label
+    from .predict.step import predict_balance
+    rows = []
+    for cfg in configs:
+        if not cfg.balancing or cfg.rebalance == "join":
+            continue
+        got = table[table["run"] == config_label(cfg)]
+        if got.empty:
+            continue
+        factors = [slowdown_at(cfg.slowdown, r, 1 << 30) for r in range(cfg.world_size)]
+        pred = predict_balance(profile, network, cfg.world_size, cfg.global_batch, factors,
+                               policy=cfg.rebalance, weights=skew_weights(cfg.world_size, cfg.skew))
+        measured = float(got["step_ms"].iloc[0])
+        rows.append({"run": config_label(cfg), "measured_ms": measured,
+                     "predicted_ms": 1e3 * pred["step_s"],
+                     "error": 1e3 * pred["step_s"] / measured - 1,
+                     "shares_predicted": "/".join(str(s) for s in pred["shares"]),
+                     "fraction_measured": float(got["throughput_fraction"].iloc[0]),
+                     "fraction_predicted": pred["throughput_fraction"]})
+    return pd.DataFrame(rows)
