@@ -102,16 +102,19 @@ def split(total: int, weights, minimum: int = 1) -> list[int]:
     n = len(weights)
     if total < minimum * n:
         raise ValueError(f"{total} samples cannot give {n} ranks {minimum} each")
-    spare = total - minimum * n
     w = [max(0.0, float(x)) for x in weights]
     if not sum(w) > 0 or not all(math.isfinite(x) for x in w):
         w = [1.0] * n
-    exact = [spare * x / sum(w) for x in w]
-    shares = [math.floor(e) for e in exact]
-    order = sorted(range(n), key=lambda r: (exact[r] - shares[r], -r), reverse=True)
-    for r in order[:spare - sum(shares)]:
+    exact = [total * x / sum(w) for x in w]
+    shares = [max(minimum, math.floor(e)) for e in exact]
+    while sum(shares) < total:                   # the largest remainders get one more
+        r = max(range(n), key=lambda r: (exact[r] - shares[r], -r))
         shares[r] += 1
-    return [s + minimum for s in shares]
+    while sum(shares) > total:                   # minimums pushed it over: take from the most
+        r = max((r for r in range(n) if shares[r] > minimum),
+                key=lambda r: (shares[r] - exact[r], shares[r]))
+        shares[r] -= 1
+    return shares
 
 
 # ---- the rank side: what the shared training loop calls -----------------------------------------

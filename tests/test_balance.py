@@ -67,7 +67,7 @@ def test_predictor_static_runs_at_the_stragglers_pace_dynamic_evens_it_out():
     assert static["throughput_fraction"] == pytest.approx(2 / 3)
     assert dynamic["shares"] == [43, 21]
     assert dynamic["throughput_fraction"] > 0.97
-    assert dynamic["wait_s"][1] == 0.0 and static["wait_s"][0] == pytest.approx(0.03)
+    assert max(dynamic["wait_s"]) < 0.002 and static["wait_s"][0] == pytest.approx(0.03)
 
 
 def test_throughput_fraction_from_records():
@@ -77,7 +77,7 @@ def test_throughput_fraction_from_records():
     ] + [dict(rank=1, step=s, samples=32, step_s=0.025, wait_s=0.0, comm_s=0.005) for s in range(3)])
     got = balance.throughput(recs)
     assert got["samples_per_s_run"] == pytest.approx(64 / 0.025)
-    assert got["ideal_samples_per_s"] == pytest.approx(32 / 0.015 + 32 / 0.020)
+    assert got["ideal_samples_per_s"] == pytest.approx(32 / 0.010 + 32 / 0.020)
     assert got["wait_share"] == pytest.approx(0.2)
 
 

@@ -78,3 +78,16 @@ def test_comm_overhead_quick(tmp_path):
     out = json.loads((tmp_path / "comm.json").read_text())
     assert [r["bytes"] for r in out["rows"]] == [16384, 2 ** 20]
     assert all(r["labkit_ms"] > 0 and r["bare_ms"] > 0 for r in out["rows"])
+
+
+@pytest.mark.slow
+def test_load_balance_quick(tmp_path):
+    lines = run_bench("load_balance.py", tmp_path / "lb.json")
+    for policy in ("static", "join", "dynamic"):
+        assert any(re.match(rf"^\s*{policy}\s+{NUMBER} of ideal \(rounds: {NUMBER}\)", l)
+                   for l in lines), lines
+    assert re.fullmatch(rf"dynamic throughput fraction under a 2x straggler: {NUMBER} "
+                        rf"\(goal >= 0\.85\)", lines[-1]), lines[-1]
+    out = json.loads((tmp_path / "lb.json").read_text())
+    assert [r["policy"] for r in out["rows"]] == ["static", "join", "dynamic"]
+    assert all(0 < r["fraction"] <= 1.2 for r in out["rows"])

@@ -36,7 +36,8 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
 def lab(tmp_path_factory):
     """JupyterLab on loopback over a copy of the notebooks, with this interpreter's kernel."""
     root = tmp_path_factory.mktemp("lab")
-    for nb in ("01_data_parallel.ipynb", "02_model_parallel.ipynb", "03_communication.ipynb"):
+    for nb in ("01_data_parallel.ipynb", "02_model_parallel.ipynb", "03_communication.ipynb",
+               "04_load_balancing.ipynb"):
         shutil.copy(REPO / "notebooks" / nb, root / nb)
     home = tmp_path_factory.mktemp("jupyter")     # no user settings, kernels or news pop-ups
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"),
@@ -307,5 +308,37 @@ def test_communication_panels_in_a_browser(lab, browser):
         time.sleep(0.2)
     page.screenshot(path=str(OUT / "browser-03-whatif.png"), full_page=True)
     assert "predicted step time" in panel_output(page)
+    assert not kernel_ranks(lab)
+    page.close()
+
+
+def test_load_balancing_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "04_load_balancing.ipynb")
+    wait_status(page, r"ready: ddp_naive@2 static, slow 1:2", 10)
+
+    # as a person: rank 1's slider to 3 (typed into its readout), the dynamic policy, Run
+    readout = page.locator(".widget-slider:has(label:text-is('rank 1 slowdown')) .widget-readout")
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("3")
+    page.keyboard.press("Enter")
+    page.click(".widget-toggle-button:has-text('dynamic')")
+    wait_status(page, r"ready: ddp_naive@2 dynamic, slow 1:3", 10)
+    page.click(".widget-button:has-text('Run')")
+    status = wait_status(page, r"done: ddp_naive@2 dynamic, slow 1:3", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-04-dynamic.png"), full_page=True)
+    assert "of the ideal" in status, status
+    assert "dynamic, slow 1:3" in shown and "Throughput as the shares adapt" in shown, shown[:800]
+
+    # a second run, static: the table keeps the first and gains this one, the charts redraw
+    page.click(".widget-toggle-button:has-text('static')")
+    wait_status(page, r"ready: ddp_naive@2 static, slow 1:3", 10)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"done: ddp_naive@2 static, slow 1:3.*2 run\(s\)", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-04-static.png"), full_page=True)
+    assert "static, slow 1:3" in shown and "dynamic, slow 1:3" in shown, shown[:800]
     assert not kernel_ranks(lab)
     page.close()

@@ -1,0 +1,77 @@
+"""Throughput under a 2x straggler at world size 2: static shares, join, dynamic shares.
+
+    python benchmarks/load_balance.py [--global-batch 2048] [--rounds 2] [--quick] [--json PATH]
+
+Rank 0 computes twice as slowly as rank 1 (``slowdown="0:2"``). Each round runs the three
+policies back to back, interleaved:
+
+* static: half of every global batch on each rank (the straggler sets the pace);
+* join: rank 1 holds twice rank 0's data (``skew=1``), each rank trains through its own data
+  at a fixed batch, and ``Join`` covers the steps after rank 0 ran out;
+* dynamic: shares follow measured throughput every 2 steps.
+
+For each, ``throughput_fraction``: samples trained over the run's gated time, over the sum of the
+ranks' solo throughputs (``labkit.balance.throughput``); the median over rounds is reported,
+beside the step-time predictor's (static and dynamic). Goal: dynamic >= 0.85; static about
+what the slowest rank allows (~0.67 for one 2x straggler in two ranks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from labkit import RunConfig, balance, comm, experiment, profile
+from labkit.predict import collectives
+
+GOAL = 0.85
+POLICIES = {"static": dict(rebalance="static"), "join": dict(rebalance="join", skew=1.0),
+            "dynamic": dict(rebalance="dynamic", rebalance_every=2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--global-batch", type=int, default=2048)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json")
+    p.add_argument("--quick", action="store_true", help="a small model, 1 round (a smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.global_batch, args.width, args.steps, args.rounds = 128, 128, 4, 1
+    base = RunConfig(strategy="ddp_naive", world_size=2, global_batch=args.global_batch,
+                     width=args.width, steps=args.steps, warmup=2, slowdown="0:2",
+                     dataset_size=max(4096, 4 * args.global_batch))
+    got: dict[str, list[float]] = {name: [] for name in POLICIES}
+    busy: dict[str, list[bool]] = {name: [] for name in POLICIES}
+    for _ in range(args.rounds):
+        for name, knobs in POLICIES.items():
+            row = experiment.summarize(experiment.run(base.replace(**knobs)).records).iloc[0]
+            got[name].append(float(row["throughput_fraction"]))
+            busy[name].append(bool(row["busy"]))
+    bench, _ = comm.benchmark(world_size=2, ops=["all_reduce"], sizes="4KiB-4MiB")
+    network = collectives.fit_table(bench.to_dict("records"), world_size=2)
+    prof = profile.measure(base)
+    from labkit.predict.step import predict_balance
+    rows = []
+    for name in POLICIES:
+        pred = (predict_balance(prof, network, 2, base.global_batch, [2.0, 1.0], policy=name)
+                ["throughput_fraction"] if name != "join" else float("nan"))
+        rows.append({"policy": name, "fraction": statistics.median(got[name]),
+                     "rounds": got[name], "predicted": pred, "busy": any(busy[name])})
+        print(f"{name:>8}  {rows[-1]['fraction']:.2f} of ideal (rounds: "
+              f"{', '.join(f'{v:.2f}' for v in got[name])})  predicted "
+              f"{'-' if pred != pred else f'{pred:.2f}'}{'  BUSY' if rows[-1]['busy'] else ''}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": base.to_dict(), "rows": rows, "goal_dynamic": GOAL}, f, indent=1)
+    dyn = next(r["fraction"] for r in rows if r["policy"] == "dynamic")
+    print(f"dynamic throughput fraction under a 2x straggler: {dyn:.2f} (goal >= {GOAL:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
