@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 
-from labkit import RunConfig, balance, comm, experiment, profile
+from labkit import RunConfig, comm, experiment, profile
 from labkit.predict import collectives
 
 GOAL = 0.85

@@ -21,7 +21,7 @@ _LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment"
          "check": "experiment", "grid": "experiment", "run_panel": "widgets",
          "pipeline_panel": "widgets", "comm_panel": "widgets", "balance_panel": "widgets"}
 _SUBMODULES = ("experiment", "report", "plots", "timeline", "predict", "equivalence", "widgets",
-               "comm", "profile", "balance", "sharding")
+               "comm", "profile", "balance", "uneven", "sharding")
 
 
 def __getattr__(name):

@@ -21,23 +21,22 @@ backward):
   update as single-device training, whatever the shares.
 * **join** (``rebalance="join"``): uneven inputs. Each rank runs through its own data at a fixed
   batch, so a rank with more data runs more steps; ``torch.distributed.algorithms.Join`` lets the
-  ranks that ran out shadow the all-reduces of those still training (``JoinableSync``, the
-  from-scratch twin of ``DistributedDataParallel.join()``). ``uneven_inputs`` shows the hang
-  that happens without it, bounded by a timeout.
+  ranks that ran out shadow the all-reduces of those still training (``labkit.uneven``).
 """
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms import Join, Joinable, JoinHook
-from torch.utils.data import DistributedSampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DistributedSampler, default_collate
+
+if TYPE_CHECKING:                      # config.py imports this module to parse slowdowns
+    from .config import RunConfig
+    from .uneven import JoinableSync
 
 
 # ---- heterogeneity: who is slow, who holds more data --------------------------------------------
@@ -127,7 +126,7 @@ class Balancer:
     takes this rank's slice of it (``shares``); join: the rank's own shard at a fixed batch, for
     as many steps as its data lasts."""
 
-    cfg: object                       # RunConfig
+    cfg: RunConfig
     rank: int
     world_size: int
     device: torch.device
@@ -136,7 +135,6 @@ class Balancer:
     shares: list[int] = field(default_factory=list)
     samples: int = 0                           # this rank's samples in the current step
     window: list[list[tuple[float, float]]] = field(default_factory=list)   # per step, per rank
-    updates: int = 0
 
     def __post_init__(self):
         cfg = self.cfg
@@ -146,6 +144,12 @@ class Balancer:
         self._t0 = 0.0
 
     # -- data
+    @property
+    def slices(self) -> bool:
+        """static / dynamic: this rank trains a slice of every global batch (else join: its
+        own shard, at a fixed batch)."""
+        return self.joinable is None
+
     def batch(self):
         """This rank's slice of the next global batch (every rank draws the same one)."""
         idx = next(self._order)
@@ -204,7 +208,6 @@ class Balancer:
                  for r in range(self.world_size)]
         self.shares = split(self.cfg.global_batch, rates)
         self.window.clear()
-        self.updates += 1
 
 
 def _global_batches(dataset, batch: int, seed: int):
@@ -220,67 +223,6 @@ def _global_batches(dataset, batch: int, seed: int):
         for i in range(0, len(order) - batch + 1, batch):
             yield order[i:i + batch]
         epoch += 1
-
-
-# ---- join: uneven inputs, with a Joinable written by hand ----------------------------------------
-
-class JoinableSync(Joinable):
-    """``ddp_naive``'s gradient all-reduce, joinable: averaged over the samples of the ranks
-    still training, and shadowed (zeros all-reduced in the same order) by ranks that ran out.
-
-    ``notify()`` tells the join context this rank is still training (an all-reduce that the
-    joined ranks answer; timed, it is this rank's wait for the others); ``reduce(samples)``
-    all-reduces the sample count, then each gradient times this rank's samples, and divides by
-    the total: the sample-weighted mean gradient over the ranks still training."""
-
-    def __init__(self, model: nn.Module, device: torch.device):
-        super().__init__()
-        self.model, self.device = model, device
-
-    def notify(self) -> float:
-        t = time.perf_counter()
-        Join.notify_join_context(self)
-        return time.perf_counter() - t
-
-    def reduce(self, samples: int) -> None:
-        n = torch.tensor([float(samples)], device=self.device)
-        dist.all_reduce(n)
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.mul_(samples)
-            dist.all_reduce(p.grad)
-            p.grad.div_(n)
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        return _Shadow(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return dist.group.WORLD
-
-
-class _Shadow(JoinHook):
-    """What a rank that ran out of data does for each step the others still take."""
-
-    def __init__(self, sync: JoinableSync):
-        self.sync = sync
-
-    def main_hook(self) -> None:
-        dist.all_reduce(torch.zeros(1, device=self.sync.device))         # no samples from me
-        for p in self.sync.model.parameters():
-            dist.all_reduce(torch.zeros_like(p))
-
-
-def join_context(balancer: "Balancer | None"):
-    """``Join([sync])`` when the balancer has a joinable sync (``rebalance="join"``)."""
-    if balancer is None or balancer.joinable is None:
-        return nullcontext()
-    return Join([balancer.joinable])
 
 
 # ---- what the records say: throughput against the ideal ----------------------------------------
@@ -305,107 +247,6 @@ def throughput(records) -> dict:
     return {"samples_per_s_run": measured, "ideal_samples_per_s": ideal,
             "throughput_fraction": measured / ideal,
             "wait_share": float(records["wait_s"].sum() / records["step_s"].sum())}
-
-
-# ---- uneven inputs: the hang, bounded, and the fix ----------------------------------------------
-
-class UnevenInputsError(RuntimeError):
-    """A rank ran out of data while others were still all-reducing (the run was stopped)."""
-
-
-def uneven_inputs(batches=(5, 3), *, join: bool = False, cfg=None, timeout_s: float = 6.0):
-    """DDP on ranks holding different numbers of batches (``batches[r]`` for rank r).
-
-    Without join, the rank that runs out leaves the training loop while the others wait in
-    their next gradient all-reduce for a partner that never comes: a hung job. labkit bounds it
-    by ``timeout_s`` and raises ``UnevenInputsError`` naming the rank that ran out. With
-    ``join=True`` the loop runs under ``Join([ddp_model])`` (what ``ddp_model.join()`` does):
-    a rank that ran out answers the others' all-reduces with zeros until every rank is done,
-    and DDP divides by the ranks still training. Returns one row per rank."""
-    import pandas as pd
-
-    from .config import RunConfig
-    from .launch import LaunchError, launch
-
-    cfg = cfg or RunConfig(strategy="ddp", world_size=len(batches), global_batch=32 * len(batches))
-    cfg = cfg.replace(strategy="ddp", world_size=len(batches))
-    seen: dict[int, dict] = {}
-    try:
-        rows = launch(_uneven_rank, len(batches), args=(cfg, tuple(batches), join),
-                      timeout_s=timeout_s, device=cfg.device,
-                      on_progress=lambda rank, m: seen.__setitem__(rank, m))
-    except LaunchError as exc:
-        if join:
-            raise
-        raise UnevenInputsError(_uneven_message(batches, seen, timeout_s)) from exc
-    return pd.DataFrame(rows)
-
-
-def _uneven_message(batches, seen: dict, timeout_s: float) -> str:
-    out = [r for r, m in seen.items() if m.get("done")]
-    stuck = [r for r in range(len(batches)) if r not in out]
-    first = min(out, default=min(range(len(batches)), key=lambda r: batches[r]))
-    waiting = ", ".join(f"rank {r} (batch {seen.get(r, {}).get('batch', 0) + 1} of {batches[r]})"
-                        for r in stuck)
-    return (f"rank {first} ran out of data after {batches[first]} batches while {waiting} still "
-            f"trained: the gradient all-reduce of the next batch waited for rank {first}, which "
-            f"never came, until labkit's {timeout_s:g} s timeout stopped every rank (without a "
-            f"timeout the job hangs forever). Fix: train under `with Join([ddp_model]):` (or "
-            f"`with ddp_model.join():`), or give every rank the same number of batches "
-            f"(DistributedSampler pads its shards with repeated samples, or drop_last=True drops "
-            f"the remainder)")
-
-
-def _uneven_rank(ctx, cfg, batches, join: bool) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from .data import batches as endless, shard_loader
-    from .factories import Factories
-    fns = Factories()
-    torch.manual_seed(cfg.seed)
-    model = fns.model(cfg).to(ctx.device)
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-    loss_fn, optimizer = fns.loss(cfg), fns.optimizer(cfg, ddp.parameters())
-    data = endless(shard_loader(fns.dataset(cfg), cfg.global_batch // ctx.world_size, ctx.rank,
-                                ctx.world_size, seed=cfg.seed))
-    mine = batches[ctx.rank]
-    t0 = time.perf_counter()
-    with Join([ddp]) if join else nullcontext():
-        for i in range(mine):
-            x, y = (t.to(ctx.device) for t in next(data))
-            loss_fn(ddp(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            ctx.report(batch=i + 1, of=mine)
-        trained = time.perf_counter() - t0
-        ctx.report(batch=mine, of=mine, done=True)
-    total = time.perf_counter() - t0
-    return {"rank": ctx.rank, "batches": mine, "trained_s": trained,
-            "shadowed_steps": max(batches) - mine if join else 0,
-            "joined_s": total - trained}
-
-
-def sampler_padding(dataset_size: int, world_size: int) -> "pd.DataFrame":
-    """What ``DistributedSampler`` does when ``dataset_size`` does not divide by ``world_size``,
-    counted by running it: with ``drop_last=False`` it pads the shards with repeated samples
-    (every rank gets the same count, some samples are seen twice); with ``drop_last=True`` it
-    drops the remainder (some samples are never seen this epoch)."""
-    import pandas as pd
-
-    class _Sized:
-        def __len__(self):
-            return dataset_size
-    rows = []
-    for drop_last in (False, True):
-        shards = [list(DistributedSampler(_Sized(), num_replicas=world_size, rank=r,
-                                          shuffle=True, seed=0, drop_last=drop_last))
-                  for r in range(world_size)]
-        seen = [i for s in shards for i in s]
-        rows.append({"drop_last": drop_last, "dataset_size": dataset_size,
-                     "world_size": world_size, "per_rank": len(shards[0]),
-                     "seen": len(seen), "repeated": len(seen) - len(set(seen)),
-                     "dropped": dataset_size - len(set(seen))})
-    return pd.DataFrame(rows)
 
 
 # ---- prediction beside measurement --------------------------------------------------------------

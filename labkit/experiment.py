@@ -189,15 +189,22 @@ def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int])
             sizes = [base.stages]
         else:
             sizes = list(world_sizes)
-        # single is the reference: never slowed or balanced (those are ddp_naive's knobs)
-        plain = dict(slowdown=(), skew=0.0, rebalance="static") if name == "single" else {}
-        configs += [base.replace(strategy=name, world_size=w, **plain) for w in sizes]
+        configs += [(_reference(base) if name == "single" else base.replace(strategy=name,
+                                                                             world_size=w))
+                    for w in sizes]
     if "single" in strategies and resolve_device(base.device, 1) == "cpu" and base.threads is None:
-        whole = _threads_for(base.replace(strategy="single", world_size=1), "cpu")
+        whole = _threads_for(_reference(base), "cpu")
         shares = sorted({_threads_for(c, "cpu") for c in configs} - {whole})
         at = next(i for i, c in enumerate(configs) if c.strategy == "single") + 1
         configs[at:at] = [configs[at - 1].replace(threads=t) for t in shares]
     return configs
+
+
+def _reference(base: RunConfig) -> RunConfig:
+    """Single-device training on ``base``'s model and batch: never slowed or balanced (those are
+    ddp_naive's knobs), the reference the other runs are read against."""
+    return base.replace(strategy="single", world_size=1, slowdown=(), skew=0.0,
+                        rebalance="static")
 
 
 def compare(configs: Iterable[RunConfig], *, model_fn=None, data_fn=None, loss_fn=None,

@@ -96,6 +96,14 @@ def test_worker_without_torchrun_says_how_to_start_it():
     (["compare", "--global-batch", "0"], ["--global-batch", "global_batch must be at least 1"]),
     (["check", "--strategies", "ddp,foo"], ["unknown strategy 'foo'"]),
     (["check", "--tol", "0"], ["--tol must be positive"]),
+    (["compare", "--strategies", "ddp", "--world-sizes", "2", "--slowdown", "1:2"],
+     ["slowdown, skew and rebalance are knobs of ddp_naive", "set strategy='ddp_naive'"]),
+    (["compare", "--strategies", "ddp_naive", "--world-sizes", "2", "--slowdown", "2:2"],
+     ["--slowdown", "ranks 0..1"]),
+    (["compare", "--strategies", "ddp_naive", "--world-sizes", "2", "--slowdown", "1:0.5"],
+     ["--slowdown", "below 1"]),
+    (["compare", "--strategies", "ddp_naive", "--world-sizes", "2", "--balance", "often"],
+     ["--balance", "rebalance must be one of"]),
 ])
 def test_every_argument_is_checked_before_anything_runs(args, words):
     r = labkit(args[0], *SMALL, "--steps", "2", *args[1:], timeout=60)
@@ -156,3 +164,13 @@ def test_torchrun_config_errors_are_said_once_with_a_fix_that_applies():
     said = (r.stdout + r.stderr).count("labkit.worker: error:")
     assert said == 1 and "--nproc-per-node 1" in r.stderr, r.stderr
     assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+
+
+def test_compare_balances_a_straggler_and_reads_the_table():
+    r = labkit("compare", "--strategies", "single,ddp_naive", "--world-sizes", "2",
+               "--slowdown", "1:2", "--balance", "dynamic", "--rebalance-every", "1", *SMALL,
+               "--steps", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ddp_naive@2 dynamic, slow 1:2" in r.stdout and "single (" in r.stdout
+    assert "of ideal (sum of solo)" in r.stdout and "waiting" in r.stdout
+    assert "would train alone" in r.stdout                    # the plain-language reading

@@ -83,7 +83,8 @@ def test_probe_overhead_is_small():
 
 def test_time_columns_match_phases():
     assert TIME_COLUMNS == tuple(f"{p}_s" for p in PHASES) + ("step_s",)
-    assert PHASES == ("data", "forward", "backward", "comm", "sync_overhead", "optimizer")
+    # "wait": a rank's time at the sync point before the all-reduce (load-balancing lab)
+    assert PHASES == ("data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer")
 
 
 def _spin(seconds: float) -> None:

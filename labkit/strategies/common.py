@@ -14,12 +14,13 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ..balance import Balancer
 from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
-from ..balance import Balancer, join_context
 from ..probes import StepProbe, sync
+from ..uneven import join_context
 
 DATA_PARALLEL = ("ddp", "ddp_naive")        # strategies that may synchronise batch statistics
 
@@ -114,16 +115,18 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 extra = {"slowdown": 1.0}
             for j in range(k):
                 sync_now = j == k - 1 or cfg.sync_every_microstep
-                x, y = next(data) if bal is None or bal.joinable else bal.batch()
+                x, y = bal.batch() if bal is not None and bal.slices else next(data)
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 probe.mark("data")
                 t_compute = time.perf_counter()
-                no_sync = sync_now or not hasattr(model, "no_sync")
-                with nullcontext() if no_sync else model.no_sync():
+                plain = sync_now or not hasattr(model, "no_sync")
+                with nullcontext() if plain else model.no_sync():
                     loss = loss_fn(model(x), y)
                     probe.mark("forward")
-                    scale = (1 / k) * (bal.loss_scale if bal is not None and not bal.joinable else 1)
-                    (loss * scale if scale != 1 else loss).backward()
+                    scaled = loss / k if k > 1 else loss
+                    if bal is not None and bal.slices:    # weighted by this rank's share
+                        scaled = scaled * bal.loss_scale
+                    scaled.backward()
                     if bal is not None:       # a slower device: sleep, leave the core to others
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
                     probe.mark("backward")

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from ..balance import Balancer, JoinableSync
+from ..balance import Balancer
 from ..probes import grad_bytes
+from ..uneven import JoinableSync
 from .common import build_model, data_iter, train_loop
 
 
