@@ -48,6 +48,8 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/ddp_overhead.py
 	$(BIN)/python benchmarks/comm_overhead.py
 	$(BIN)/python benchmarks/load_balance.py
+	$(BIN)/python benchmarks/predictions.py
+	$(BIN)/python benchmarks/torchrun_exit.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

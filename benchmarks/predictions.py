@@ -1,0 +1,87 @@
+"""labkit's predictions beside what this machine measured: the step-time predictor and the
+pipeline bubble.
+
+1. Step time (issue 10's goal: <= 15 % error for ddp and ddp_naive at world size 2, on the
+   default MLP and at width 1024). The network model is fitted on this run's all-reduce
+   timings, the compute profile measured on concurrent ranks (``labkit.profile``), the step
+   predicted by ``labkit.predict.step`` and set beside the measured median step (slowest rank)
+   with ``comm.knob_rows``, the same rows notebook 03 shows.
+2. Pipeline bubble (issue 7's goal: predicted within 0.05 of measured at P=2, M in 1, 2, 4, 8,
+   at the defaults and at width 1024 / batch 1024): measured, predicted from measured stage
+   costs and hand-offs, and the closed form (P-1)/(M+P-1), per GPipe run.
+
+Rows whose ranks did not get their cores are flagged ``busy``: they are not the model's error.
+
+    .venv/bin/python benchmarks/predictions.py [--quick] [--json FILE]
+
+Last lines: ``predictor |error| at world size 2: ...`` and ``bubble |predicted - measured|: ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pandas as pd
+
+from labkit import RunConfig, comm, experiment, profile
+from labkit.predict import collectives
+
+
+def step_rows(quick: bool) -> pd.DataFrame:
+    sizes = "1KiB-1MiB" if quick else "1KiB-16MiB"
+    table, _ = comm.benchmark(2, ["all_reduce"], sizes, repeats=3 if quick else 10)
+    network = collectives.fit_table(table.to_dict("records"), 2)
+    steps = 4 if quick else 20
+    rows = []
+    for name, cfg in (("default MLP", RunConfig(world_size=2, steps=steps, global_batch=64)),
+                      ("width 1024", RunConfig(world_size=2, steps=max(4, steps * 3 // 5),
+                                               width=1024, global_batch=256))):
+        prof = profile.measure(cfg)
+        runs = [experiment.run(cfg.replace(strategy=s)) for s in ("ddp", "ddp_naive")]
+        rows.append(comm.knob_rows(runs, prof, network).assign(model=name))
+    return pd.concat(rows, ignore_index=True)
+
+
+def bubble_rows(quick: bool) -> pd.DataFrame:
+    rows = []
+    sizes = (("defaults", dict()), ("width 1024, batch 1024", dict(width=1024, global_batch=1024)))
+    for name, size in sizes:
+        for m in ((1, 4) if quick else (1, 2, 4, 8)):
+            cfg = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, microbatches=m,
+                            steps=4 if quick else 12, **size)
+            t = experiment.summarize(experiment.run(cfg).records).iloc[0]
+            rows.append({"size": name, "M": m, "measured": t["bubble_fraction"],
+                         "predicted": t["bubble_predicted"], "closed form": t["bubble_theory"],
+                         "cpu_share": t["cpu_share"], "busy": bool(t["busy"])})
+    df = pd.DataFrame(rows)
+    return df.assign(error=(df["predicted"] - df["measured"]).abs())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smoke run of a few seconds' work")
+    p.add_argument("--json", help="write both tables here")
+    args = p.parse_args(argv)
+    steps = step_rows(args.quick)
+    cols = ["model", "config", "step_ms", "predicted_step_ms", "error", "comm_ms",
+            "predicted_exposed_ms", "cpu_share", "busy"]
+    print(steps[cols].round(3).to_string(index=False))
+    bubbles = bubble_rows(args.quick)
+    print(bubbles.round(3).to_string(index=False))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": steps.to_dict("records"), "bubbles": bubbles.to_dict("records")},
+                      f, indent=1)
+    err = ", ".join(f"{r.config} {r.model} {abs(r.error):.0%}{' (busy)' if r.busy else ''}"
+                    for r in steps.itertuples())
+    print(f"predictor |error| at world size 2: {err}")
+    quiet = bubbles.loc[~bubbles["busy"], "error"]
+    worst = f"max {quiet.max():.3f} over rows not busy" if len(quiet) else "no row was quiet"
+    print(f"bubble |predicted - measured|: {worst} ({int(bubbles['busy'].sum())} busy of "
+          f"{len(bubbles)}; all rows: max {bubbles['error'].max():.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
