@@ -259,6 +259,17 @@ class Resume:
         self.notes, self.folder = notes, cfg.checkpoint_dir
         self.per_step = data.loader.batch_size * ctx.world_size * cfg.accumulate  # = global batch
         self.attempt = restart_count()
+        self.stopping = False
+        # Under torchrun, a membership change (a node joins or leaves) or a stop arrives as
+        # SIGTERM: finish the step, let rank 0 write a checkpoint, then exit, so nothing is lost.
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            import signal
+            import threading
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum, frame) -> None:
+        self.stopping = True
 
     def start(self) -> int:
         step, resumed = 0, None
@@ -274,13 +285,14 @@ class Resume:
             if ck.offset == per_epoch:      # written after an epoch's last batch
                 ck = Checkpoint(**{**ck.__dict__, "epoch": ck.epoch + 1, "offset": 0})
             self.data.seek(ck.epoch, ck.offset // self.per_step * self.cfg.accumulate)
-            if ck.world_size == self.ctx.world_size:
+            if ck.world_size == self.ctx.world_size and self.ctx.rank < len(ck.rng):
                 set_rng_state(ck.rng[self.ctx.rank])
             else:                           # streams cannot be split or merged: reseed, say so
                 torch.manual_seed(self.cfg.seed + 1000 * ck.step + self.ctx.rank)
                 self.notes.append(f"resumed at world size {self.ctx.world_size} from a "
-                                  f"checkpoint of world size {ck.world_size}: random streams "
-                                  f"(dropout) were reseeded; the data and update are the same")
+                                  f"checkpoint written at world size {ck.world_size} with "
+                                  f"{len(ck.rng)} rank(s)' random streams: the others (dropout) "
+                                  f"were reseeded; the data and update are the same")
             step, resumed = ck.step, ck.step
         if self.ctx.is_main:
             os.makedirs(self.folder, exist_ok=True)
@@ -299,9 +311,17 @@ class Resume:
         every = self.cfg.checkpoint_every
         if done == total or (every and done % every == 0):
             self.save(done)
+        elif self.stopping:             # no collective here: the peers may be stopping too
+            self.save(done, alone=True)
+        if self.stopping:
+            if self.ctx.is_main:
+                append_timeline(self.folder, event="stopped", attempt=self.attempt, step=done)
+            raise SystemExit(128 + 15)
 
-    def save(self, done: int) -> None:
-        rng = _gather(rng_state(), self.ctx)
+    def save(self, done: int, alone: bool = False) -> None:
+        """Rank 0 writes; the random streams of every rank are gathered first, unless
+        ``alone`` (then the other ranks' streams are reseeded on resume)."""
+        rng = [rng_state()] if alone else _gather(rng_state(), self.ctx)
         if not self.ctx.is_main:
             return
         epoch, index = self.data.epoch, self.data.index
