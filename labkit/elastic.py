@@ -40,6 +40,11 @@ from .config import RunConfig
 # and how soon a silent agent counts as gone (keep_alive_interval x keep_alive_max_attempt).
 FAST_RDZV = {"join_timeout": 20, "last_call_timeout": 1, "close_timeout": 5,
              "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+# torch 2.x shares the rendezvous TCP store with the workers by default; an agent that was rank
+# 0 in the first round does not publish MASTER_ADDR for the next round, so a node joining a
+# running job waits for it until the store times out (checked here: a join hung 60 s, then both
+# agents failed). A separate store per round re-forms correctly.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # RunConfig fields passed to the workers
 _PASS = ("steps", "warmup", "global_batch", "lr", "seed", "model", "width", "depth",
          "dataset_size", "accumulate", "checkpoint_every", "timeout_s", "threads")
@@ -178,7 +183,7 @@ class ElasticJob:
         index = len(self.agents)
         log = os.path.join(self.folder, f"agent{index}.log")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **AGENT_ENV}
         with open(log, "w") as f:          # own session: a notebook interrupt does not reach it
             proc = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -333,27 +338,30 @@ def _close_all() -> None:              # a kernel shutting down takes its jobs w
 # ---- what happened --------------------------------------------------------------------------
 
 def changes(job_events: list[dict], steps: pd.DataFrame, t0: float) -> pd.DataFrame:
-    """Per join, leave or kill: when it happened, the last step before it, the first step
-    after the group re-formed, the world sizes before and after, the steps lost (trained
-    before the change and trained again after it) and the seconds from the change to the
-    first step after it (``reform_s``)."""
+    """Per join, leave or kill: when it happened, the world sizes before and after, the last
+    step of the old group and the first of the re-formed one, the steps lost (trained by the old
+    group after its last checkpoint, trained again), ``reform_s`` (seconds from the change to
+    the first step of the re-formed group) and ``pause_s`` (seconds without a step: the old
+    group kept training while a joining node started)."""
     rows = []
     for ev in job_events:
         t = ev["time"] - t0
         before = steps[steps["time_s"] <= t]
-        after = steps[steps["time_s"] > t]
-        if after.empty:
+        if before.empty:                 # the first node: nothing to re-form
             continue
-        last = before.iloc[-1] if len(before) else None
-        # the first step of a new attempt or world size after the change
-        key = (after["attempt"] != (last["attempt"] if last is not None else -1)) | \
-            (after["world_size"] != (last["world_size"] if last is not None else -1))
-        first = after[key].iloc[0] if key.any() else after.iloc[0]
-        lost = int(last["step"] - (first["step"] - 1)) if last is not None else 0
+        old = before.iloc[-1]
+        later = steps[steps["time_s"] > t]
+        new = later[(later["attempt"] != old["attempt"]) |
+                    (later["world_size"] != old["world_size"])]
+        if new.empty:
+            continue
+        first = new.iloc[0]
+        last = steps[steps["time_s"] < first["time_s"]].iloc[-1]
         rows.append({"event": ev["event"], "at_s": round(t, 2),
-                     "world_before": int(last["world_size"]) if last is not None else 0,
+                     "world_before": int(last["world_size"]),
                      "world_after": int(first["world_size"]),
-                     "last_step_before": int(last["step"]) if last is not None else None,
-                     "first_step_after": int(first["step"]), "steps_lost": max(0, lost),
-                     "reform_s": round(float(first["time_s"] - t), 2)})
+                     "last_step_before": int(last["step"]), "first_step_after": int(first["step"]),
+                     "steps_lost": max(0, int(last["step"] - (first["step"] - 1))),
+                     "reform_s": round(float(first["time_s"] - t), 2),
+                     "pause_s": round(float(first["time_s"] - last["time_s"]), 2)})
     return pd.DataFrame(rows)
