@@ -91,6 +91,7 @@ class Agent:
     proc: subprocess.Popen
     log: str
     started: float = field(default_factory=time.time)
+    left: bool = False                 # removed on purpose (its exit status is not a failure)
 
     @property
     def alive(self) -> bool:
@@ -110,6 +111,10 @@ class Agent:
                 return f.read()
         except OSError:
             return ""
+
+
+class ElasticError(RuntimeError):
+    """An elastic job that could not run, with the reason in words."""
 
 
 def _is_worker(p: psutil.Process) -> bool:
@@ -197,6 +202,7 @@ class ElasticJob:
         writes a checkpoint at the end of its step); the others re-form without it."""
         agent = self._pick(index)
         self.events.append({"time": time.time(), "event": "leave", "agent": agent.index})
+        agent.left = True
         agent.proc.send_signal(signal.SIGTERM)
         return agent
 
@@ -269,7 +275,29 @@ class ElasticJob:
         except BaseException:
             self.close()
             raise
+        failed = [a for a in self.agents if a.proc.returncode and not a.left]
+        if failed:
+            raise ElasticError(self.diagnose(failed[0]))
         return [a.proc.returncode for a in self.agents]
+
+    def diagnose(self, agent: Agent) -> str:
+        """Why an agent failed, in words, from its log."""
+        log = agent.output()
+        where = f"(agent {agent.index} exited with {agent.proc.returncode}; log {agent.log})"
+        if "RendezvousConnectionError" in log:
+            return (f"nobody serves the rendezvous endpoint {self.endpoint}: the agent could not "
+                    f"reach it within read_timeout={self.rdzv.get('read_timeout', 60)} s. Start "
+                    f"the first agent on that host (the c10d store runs in it) or fix "
+                    f"--rdzv-endpoint {where}")
+        if "RendezvousTimeoutError" in log:
+            return (f"the group never reached its minimum of {self.min_nodes} node(s) (nnodes "
+                    f"{self.nnodes}) within join_timeout={self.rdzv['join_timeout']} s: start "
+                    f"{self.min_nodes} agents, or lower MIN in nnodes MIN:MAX {where}")
+        if "labkit.worker: error:" in log:
+            line = next(l for l in log.splitlines() if "labkit.worker: error:" in l)
+            return f"{line.split('error:', 1)[1].strip()} {where}"
+        tail = "\n".join(log.strip().splitlines()[-15:])
+        return f"the job failed {where}:\n{tail}"
 
     def wait_for(self, predicate, timeout_s: float = 60.0, poll_s: float = 0.05) -> pd.DataFrame:
         """Poll the step rows until ``predicate(rows)`` holds; they are returned."""
