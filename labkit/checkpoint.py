@@ -245,7 +245,8 @@ class Resume:
 
     ``start()`` continues from the folder's checkpoint if there is one (model, optimizer, data
     position, random streams) and returns the optimizer steps already taken; ``after_step``
-    appends the step to the timeline (global-batch loss, world size, attempt) and writes a
+    appends the step to the timeline (global-batch loss, world size, attempt: the how-many-th
+    start of the group in this folder) and writes a
     checkpoint every ``cfg.checkpoint_every`` steps and after the last one. The data position
     is kept in samples of the global batch, so a run can continue at another world size: the
     same global batch is re-sharded over the ranks there are now.
@@ -258,10 +259,12 @@ class Resume:
         self.cfg, self.ctx, self.model, self.optimizer, self.data = cfg, ctx, model, optimizer, data
         self.notes, self.folder = notes, cfg.checkpoint_dir
         self.per_step = data.loader.batch_size * ctx.world_size * cfg.accumulate  # = global batch
-        self.attempt = restart_count()
+        self.attempt = 0                 # the group's start in this folder: 0, 1, 2... (start())
         self.stopping = False
         # Under torchrun, a membership change (a node joins or leaves) or a stop arrives as
-        # SIGTERM: finish the step, let rank 0 write a checkpoint, then exit, so nothing is lost.
+        # SIGTERM, to the leaving node's workers only when a node leaves: a rank that gets it
+        # finishes its step, writes a checkpoint itself (data-parallel replicas are identical,
+        # so any rank can) and exits, so nothing is lost.
         if "TORCHELASTIC_RUN_ID" in os.environ:
             import signal
             import threading
@@ -285,7 +288,8 @@ class Resume:
             if ck.offset == per_epoch:      # written after an epoch's last batch
                 ck = Checkpoint(**{**ck.__dict__, "epoch": ck.epoch + 1, "offset": 0})
             self.data.seek(ck.epoch, ck.offset // self.per_step * self.cfg.accumulate)
-            if ck.world_size == self.ctx.world_size and self.ctx.rank < len(ck.rng):
+            if ck.world_size == self.ctx.world_size and self.ctx.rank < len(ck.rng) \
+                    and ck.rng[self.ctx.rank] is not None:
                 set_rng_state(ck.rng[self.ctx.rank])
             else:                           # streams cannot be split or merged: reseed, say so
                 torch.manual_seed(self.cfg.seed + 1000 * ck.step + self.ctx.rank)
@@ -294,10 +298,16 @@ class Resume:
                                   f"{len(ck.rng)} rank(s)' random streams: the others (dropout) "
                                   f"were reseeded; the data and update are the same")
             step, resumed = ck.step, ck.step
+        # One number for the whole job: torchrun's restart count is per agent, and a membership
+        # change restarts workers without counting; every start of the group counts here.
         if self.ctx.is_main:
             os.makedirs(self.folder, exist_ok=True)
+            self.attempt = sum(r.get("event") == "start" for r in read_timeline(self.folder))
+        self.attempt = _gather(self.attempt, self.ctx)[0]
+        if self.ctx.is_main:
             append_timeline(self.folder, event="start", attempt=self.attempt,
-                            world_size=self.ctx.world_size, resumed_from=resumed)
+                            world_size=self.ctx.world_size, resumed_from=resumed,
+                            restarts=restart_count())
         return step
 
     def after_step(self, done: int, total: int, shard_loss: float, samples: int,
@@ -314,16 +324,20 @@ class Resume:
         elif self.stopping:             # no collective here: the peers may be stopping too
             self.save(done, alone=True)
         if self.stopping:
-            if self.ctx.is_main:
-                append_timeline(self.folder, event="stopped", attempt=self.attempt, step=done)
+            append_timeline(self.folder, event="stopped", attempt=self.attempt, step=done,
+                            rank=self.ctx.rank)
             raise SystemExit(128 + 15)
 
     def save(self, done: int, alone: bool = False) -> None:
-        """Rank 0 writes; the random streams of every rank are gathered first, unless
-        ``alone`` (then the other ranks' streams are reseeded on resume)."""
-        rng = [rng_state()] if alone else _gather(rng_state(), self.ctx)
-        if not self.ctx.is_main:
-            return
+        """Rank 0 writes, with every rank's random streams gathered first; ``alone``: this
+        rank writes with its own streams only (the others are reseeded on resume)."""
+        if alone:
+            rng = [None] * self.ctx.world_size
+            rng[self.ctx.rank] = rng_state()
+        else:
+            rng = _gather(rng_state(), self.ctx)
+            if not self.ctx.is_main:
+                return
         epoch, index = self.data.epoch, self.data.index
         try:
             save(self.folder, step=done, epoch=epoch, offset=index // self.cfg.accumulate *

@@ -143,17 +143,7 @@ class ElasticJob:
                  max_restarts: int = 3, folder: str | None = None, port: int | None = None,
                  rdzv: dict | None = None, endpoint: str | None = None,
                  checkpoint_every: int = 5):
-        self.min_nodes, self.max_nodes = check_nnodes(nnodes)
-        if cfg.strategy not in ("ddp", "ddp_naive"):
-            raise ValueError(f"an elastic job runs ddp or ddp_naive (its world size changes), "
-                             f"got {cfg.strategy!r}")
-        if nproc_per_node < 1:
-            raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
-        for ws in range(self.min_nodes * nproc_per_node, self.max_nodes * nproc_per_node + 1):
-            if cfg.global_batch % (ws * cfg.accumulate):
-                raise ValueError(f"global batch {cfg.global_batch} does not split over world "
-                                 f"size {ws} (reachable with nnodes {nnodes}): pick a multiple "
-                                 f"of every world size in range")
+        self.min_nodes, self.max_nodes = self.check(cfg, nnodes, nproc_per_node)
         self.folder = folder or tempfile.mkdtemp(prefix="labkit-elastic-")
         os.makedirs(self.folder, exist_ok=True)
         self.cfg = cfg.replace(checkpoint_dir=cfg.checkpoint_dir or os.path.join(self.folder,
@@ -168,6 +158,22 @@ class ElasticJob:
         self.events: list[dict] = []      # what was done to the job, and when (time.time())
         self.records_path = os.path.join(self.folder, "records.json")
         _LIVE.add(self)
+
+    @staticmethod
+    def check(cfg: RunConfig, nnodes: str | int, nproc_per_node: int = 1) -> tuple[int, int]:
+        """(min, max) nodes, or a ValueError naming the fix, before any process starts."""
+        lo, hi = check_nnodes(nnodes)
+        if cfg.strategy not in ("ddp", "ddp_naive"):
+            raise ValueError(f"an elastic job runs ddp or ddp_naive (its world size changes), "
+                             f"got {cfg.strategy!r}")
+        if nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
+        for ws in range(lo * nproc_per_node, hi * nproc_per_node + 1):
+            if cfg.global_batch % (ws * cfg.accumulate):
+                raise ValueError(f"global batch {cfg.global_batch} does not split over world "
+                                 f"size {ws} (reachable with nnodes {nnodes}): pick a multiple "
+                                 f"of every world size in range")
+        return lo, hi
 
     # ---- membership --------------------------------------------------------------------------
 
