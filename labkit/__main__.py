@@ -91,6 +91,15 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
         raise ValueError(f"{flag}: {exc}" if flag else str(exc)) from None
 
 
+def _one_run_only(args) -> None:
+    """compare, check and demo run several configurations: one checkpoint folder would make each
+    run resume from the one before it."""
+    if getattr(args, "checkpoint_dir", None):
+        raise ValueError("--checkpoint-dir: this command runs several configurations, which would "
+                         "resume from each other's checkpoints: checkpoint one run with torchrun "
+                         "-m labkit.worker --checkpoint-dir DIR (or labkit.run in Python)")
+
+
 def _csv(text: str, cast=str, flag: str = "") -> list:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -123,6 +132,7 @@ def cmd_env(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    _one_run_only(args)
     from . import experiment
     _writable("--json", args.json)
     _writable("--html", args.html)
@@ -178,6 +188,7 @@ def _report(args, base: RunConfig, records) -> int:
 
 
 def cmd_check(args) -> int:
+    _one_run_only(args)
     from . import experiment
     base = config_from_args(args, strategy="single", world_size=1)
     if args.world_size < 1:

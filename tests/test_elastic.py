@@ -134,6 +134,13 @@ def test_nnodes_that_can_never_be_met(nnodes):
         check_nnodes("2:3", agents=1)
 
 
+def test_commands_running_several_configurations_refuse_a_checkpoint_folder(tmp_path):
+    r = subprocess.run([PY, "-m", "labkit", "compare", "--checkpoint-dir", str(tmp_path),
+                        "--steps", "2"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--checkpoint-dir" in r.stderr and "torchrun" in r.stderr
+    assert not os.listdir(tmp_path)
+
+
 # ---- exact resume (labkit.launch: no torchrun) ---------------------------------------------------
 
 def test_ten_steps_equal_five_then_five_resumed_also_from_two_ranks_to_one(tmp_path):
@@ -205,9 +212,9 @@ def test_a_killed_rank_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
     with ElasticJob(cfg, nnodes="1", nproc_per_node=2, max_restarts=1, folder=str(tmp_path),
                     checkpoint_every=5) as job:
         job.add_agent()
-        job.wait_for(lambda r: len(r) > 0 and r["step"].max() >= 7)
+        job.wait_for(lambda r: len(r) > 0 and r["step"].max() >= 7, timeout_s=120)
         job.kill_worker()
-        job.wait(120)
+        job.wait(180)
         steps = job.steps()
         ch = changes(job.events, steps, job.t0)
         _no_leftovers(job)
@@ -227,11 +234,11 @@ def test_a_node_joins_and_leaves_and_the_global_batch_stays(tmp_path):
     cfg = RunConfig(strategy="ddp", steps=60, **TINY)
     with ElasticJob(cfg, nnodes="1:2", max_restarts=2, folder=str(tmp_path)) as job:
         job.add_agent()
-        job.wait_for(lambda r: len(r) > 0 and r["step"].max() >= 5)
+        job.wait_for(lambda r: len(r) > 0 and r["step"].max() >= 5, timeout_s=120)
         job.add_agent()
-        job.wait_for(lambda r: (r["world_size"] == 2).sum() >= 5, timeout_s=90)
+        job.wait_for(lambda r: (r["world_size"] == 2).sum() >= 5, timeout_s=120)
         job.remove_agent(1)
-        job.wait(120)
+        job.wait(180)
         steps = job.steps()
         ch = changes(job.events, steps, job.t0)
         _no_leftovers(job)
