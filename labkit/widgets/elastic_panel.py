@@ -85,6 +85,10 @@ class ElasticPanel(BackgroundRun):
         table = changes(job.events, steps, job.t0)
         return ([table] if len(table) else []) + [elastic_timeline(steps, job.events, job.t0)]
 
+    def partial(self) -> ElasticJob | None:
+        """After Stop: the job so far (its timeline outlives its processes)."""
+        return self.job if self.job is not None and len(self.job.steps()) else None
+
     def done_message(self, job: ElasticJob) -> str:
         steps = job.steps()
         sizes = " -> ".join(str(int(w)) for w in
