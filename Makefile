@@ -50,6 +50,7 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/load_balance.py
 	$(BIN)/python benchmarks/predictions.py
 	$(BIN)/python benchmarks/torchrun_exit.py
+	$(BIN)/python benchmarks/elastic.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

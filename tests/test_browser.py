@@ -37,7 +37,7 @@ def lab(tmp_path_factory):
     """JupyterLab on loopback over a copy of the notebooks, with this interpreter's kernel."""
     root = tmp_path_factory.mktemp("lab")
     for nb in ("01_data_parallel.ipynb", "02_model_parallel.ipynb", "03_communication.ipynb",
-               "04_load_balancing.ipynb"):
+               "04_load_balancing.ipynb", "07_elastic.ipynb"):
         shutil.copy(REPO / "notebooks" / nb, root / nb)
     home = tmp_path_factory.mktemp("jupyter")     # no user settings, kernels or news pop-ups
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"),
@@ -341,4 +341,33 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
     page.screenshot(path=str(OUT / "browser-04-static.png"), full_page=True)
     assert "static, slow 1:3" in shown and "dynamic, slow 1:3" in shown, shown[:800]
     assert not kernel_ranks(lab)
+    page.close()
+
+
+def test_elastic_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "07_elastic.ipynb", timeout_s=480)
+    wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 2000 steps", 10)
+
+    # as a person: more steps (typed into the readout), Run, then a node joins with a click
+    readout = page.locator(".widget-slider:has(label:text-is('steps')) .widget-readout")
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("4000")
+    page.keyboard.press("Enter")
+    wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 4000 steps", 10)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"step \d+, world size 1", 120)
+    page.click(".widget-button:has-text('Add a node')")
+    wait_status(page, r"step \d+, world size 2", 180)
+    page.click(".widget-button:has-text('Stop')")
+    status = wait_status(page, r"stopped by", 60)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-07-join.png"), full_page=True)
+    assert "join" in shown and "an elastic job over time" in shown, (status, shown[:800])
+    # every agent and worker the panel started is gone
+    left = [p for p in psutil.Process(lab["server"].pid).children(recursive=True)
+            if any(k in " ".join(p.cmdline()) for k in ("torch.distributed.run", "labkit.worker"))
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
     page.close()
