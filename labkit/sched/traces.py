@@ -119,7 +119,7 @@ def parse_csv(text: str, curves: Mapping[str, Curve] | None = None) -> list[Job]
         try:
             curve = resolve_curve(row["curve"], curves)
         except ValueError as exc:
-            raise bad("curve", str(exc).split(": ", 1)[1]) from None
+            raise bad("curve", "is not a known curve: " + str(exc).split(": ", 1)[1]) from None
         jobs.append(Job(job_id, arrival, gpus, duration * curve(gpus), curve, priority))
     if not jobs:
         raise ValueError(f"the trace has a header but no jobs (after line {header_no})")
