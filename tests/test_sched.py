@@ -161,9 +161,22 @@ def test_csv_header_and_cluster_errors():
         sim.simulate([job(0, 0, 1, 1)], "1x4", "lifo")
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "labkit", "schedule", *args],
-                          capture_output=True, text=True, timeout=120)
+class Out:
+    def __init__(self, code, captured):
+        self.returncode, self.stdout, self.stderr = code, captured.out, captured.err
+
+
+@pytest.fixture
+def cli(capsys):
+    """``python -m labkit schedule ...`` in this process (a subprocess per case costs seconds of
+    imports); one subprocess test below checks the real entry point."""
+    from labkit.__main__ import main
+
+    def call(*args):
+        capsys.readouterr()
+        code = main(["schedule", *args])
+        return Out(code, capsys.readouterr())
+    return call
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -177,7 +190,7 @@ def cli(*args):
     (["--generate", "50", "--cluster", "1x4"], "--cluster"),          # 8-GPU jobs cannot fit
     (["--generate", "5", "--replay", "--cluster", "4x8"], "--replay"),
 ])
-def test_cli_errors_name_the_flag(args, flag):
+def test_cli_errors_name_the_flag(cli, args, flag):
     out = cli(*args)
     assert out.returncode == 2, out.stdout + out.stderr
     assert flag in out.stderr
@@ -186,8 +199,8 @@ def test_cli_errors_name_the_flag(args, flag):
 def test_cli_prints_a_table_per_policy(tmp_path):
     trace = tmp_path / "t.csv"
     traces.to_csv(traces.generate(40, seed=1, rate_per_hour=3), str(trace))
-    out = cli("--trace", str(trace), "--cluster", "2x8", "--policy", "fifo,las,elastic",
-              "--json", str(tmp_path / "m.json"))
+    out = subprocess.run([sys.executable, "-m", "labkit", "schedule","--trace", str(trace), "--cluster", "2x8", "--policy", "fifo,las,elastic",
+              "--json", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for p in ("fifo", "las", "elastic"):
         assert p in out.stdout
