@@ -50,6 +50,11 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="with --accumulate: all-reduce after every micro-batch (not no_sync)")
     g.add_argument("--comm-hook", default=d.comm_hook, help="ddp: none, fp16, bf16 or powersgd")
     g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
+    # elastic (notebook 07)
+    g.add_argument("--checkpoint-dir", default=None,
+                   help="resume from the checkpoint in this folder, and write one there")
+    g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="optimizer steps between checkpoints (0: after the last step only)")
 
 
 # RunConfig field -> the flag that sets it, so a config error can name what to type instead
@@ -60,7 +65,8 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "pipeline_impl": "--pipeline-impl", "timeout_s": "--timeout", "world_size": "--world-size",
          "bucket_cap_mb": "--bucket-cap-mb", "accumulate": "--accumulate",
          "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
-         "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every"}
+         "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every",
+         "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -74,7 +80,8 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   timeout_s=args.timeout,
                   bucket_cap_mb=args.bucket_cap_mb, accumulate=args.accumulate,
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
-                  powersgd_rank=args.powersgd_rank)
+                  powersgd_rank=args.powersgd_rank,
+                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     fields.update(override)
     try:
         return RunConfig(**fields)

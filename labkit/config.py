@@ -70,6 +70,10 @@ class RunConfig:
     deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final state
     timeout_s: float = 300.0     # a launch (and every collective) gives up after this long
 
+    # ---- elastic (labkit.checkpoint, labkit.elastic, notebook 07)
+    checkpoint_dir: str | None = None  # resume from the checkpoint here, and write one to it
+    checkpoint_every: int = 0    # optimizer steps between checkpoints (0: after the last step only)
+
     def __post_init__(self) -> None:
         from .balance import parse_slowdown           # "1:2,0:1.5@10" or pairs -> triples
         object.__setattr__(self, "slowdown", parse_slowdown(self.slowdown))
@@ -133,6 +137,7 @@ class RunConfig:
                 f"micro-batches on each of {self.ranks} rank(s): pick a global batch that is a "
                 f"multiple of {self.ranks * self.accumulate}")
         self._check_balancing()
+        self._check_elastic()
         if self.dataset_size < self.global_batch:
             raise ValueError(
                 f"dataset_size {self.dataset_size} is smaller than one global batch "
@@ -168,6 +173,26 @@ class RunConfig:
         if self.global_batch < 2 * self.world_size and self.rebalance == "dynamic":
             raise ValueError(f"dynamic shares need at least 2 samples per rank: raise global_batch "
                              f"to {2 * self.world_size} or more")
+
+    def _check_elastic(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0: after the last step only), got "
+                             f"{self.checkpoint_every}")
+        if self.checkpoint_dir is None:
+            if self.checkpoint_every:
+                raise ValueError(f"checkpoint_every={self.checkpoint_every} needs a folder: set "
+                                 f"checkpoint_dir")
+            return
+        if not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir:
+            raise ValueError(f"checkpoint_dir must be a folder path or None, got "
+                             f"{self.checkpoint_dir!r}")
+        if self.strategy in PIPELINE_STRATEGIES:
+            raise ValueError(f"checkpoint_dir covers the data-parallel strategies (single, dp, "
+                             f"ddp, ddp_naive), not {self.strategy}: pick one of those or set "
+                             f"checkpoint_dir=None")
+        if self.balancing:
+            raise ValueError("checkpoint_dir does not save load-balancing state (shares, "
+                             "slowdown): drop slowdown/skew/rebalance or set checkpoint_dir=None")
 
     @property
     def balancing(self) -> bool:

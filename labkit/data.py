@@ -7,8 +7,6 @@ fixed "teacher" network, and image transforms are the tensor-aware ``torchvision
 """
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -86,11 +84,37 @@ def shard_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int,
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
 
 
-def batches(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches; calls ``set_epoch`` so each epoch reshuffles (the step people forget)."""
-    epoch = 0
-    while True:
-        if isinstance(loader.sampler, DistributedSampler):
-            loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+class batches:
+    """Endless batches; calls ``set_epoch`` so each epoch reshuffles (the step people forget).
+
+    Knows where it is (``epoch``, ``index``: batches already read from that epoch) and can be
+    placed anywhere (``seek``), so a resumed run reads exactly the batches it would have read.
+    """
+
+    def __init__(self, loader: DataLoader):
+        self.loader, self.epoch, self.index, self._it = loader, 0, 0, None
+
+    def __iter__(self) -> "batches":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._it is None or self.index >= len(self.loader):
+            if self._it is not None:
+                self.epoch, self.index = self.epoch + 1, 0
+            self._start()
+        self.index += 1
+        return next(self._it)
+
+    def seek(self, epoch: int, index: int) -> None:
+        """Continue from batch ``index`` of ``epoch``. The skipped batches are read and dropped
+        (cheap for the in-memory toy datasets; a large dataset wants a sampler with an offset)."""
+        self.epoch, self.index = epoch, 0
+        self._start()
+        for _ in range(index):
+            next(self._it)
+            self.index += 1
+
+    def _start(self) -> None:
+        if isinstance(self.loader.sampler, DistributedSampler):
+            self.loader.sampler.set_epoch(self.epoch)
+        self._it = iter(self.loader)

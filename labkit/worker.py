@@ -70,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(summarize(records)))
         for note in notes:
             print(f"note: {note}")
+        timeline = {}
+        if cfg.checkpoint_dir:           # the whole history, across restarts and world sizes
+            from .checkpoint import read_timeline
+            timeline = {"timeline": read_timeline(cfg.checkpoint_dir)}
         if args.out:
-            save_records(records, args.out, config=cfg.to_dict(), launcher="torchrun")
+            save_records(records, args.out, config=cfg.to_dict(), launcher="torchrun",
+                         **timeline)
             print(f"records: {args.out} ({len(records)} rows)")
     return 0
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..balance import Balancer
+from ..checkpoint import Resume
 from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
@@ -91,6 +92,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     ``balancer`` (``labkit.balance``, ddp_naive): this rank's slice of each global batch and its
     loss weight, the injected slowdown, the timed arrival before the all-reduce (``wait``
     phase), share updates, and under join the steps this rank's data lasts.
+    ``cfg.checkpoint_dir`` (``labkit.checkpoint.Resume``): continue from its checkpoint, write
+    one every ``cfg.checkpoint_every`` steps, and a timeline row per step.
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
     optimizer = fns.optimizer(cfg, model.parameters())
@@ -104,9 +107,13 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     total = cfg.warmup + cfg.steps if bal is None else bal.steps(cfg.warmup + cfg.steps)
     comm_baseline_s, records = None, []
     progress = Progress(ctx, total - cfg.warmup)  # measured steps only
+    notes = notes if notes is not None else []
+    resume = None if cfg.checkpoint_dir is None else Resume(
+        cfg, ctx, unwrapped if unwrapped is not None else model, optimizer, data, notes)
+    start = resume.start() if resume is not None else 0
     with join_context(bal):
-        for i in range(total):
-            if i == cfg.warmup and calibrate is not None:
+        for i in range(start, total):
+            if i == max(cfg.warmup, start) and calibrate is not None:
                 comm_baseline_s = k * calibrate(loss_fn)
             probe.start()
             extra, losses, samples = {}, [], 0
@@ -150,10 +157,13 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
             rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
             if bal is not None:
                 bal.end_step(i - cfg.warmup)
+            if resume is not None:
+                rec["attempt"] = resume.attempt
+                resume.after_step(i + 1, total, rec["shard_loss"], samples, rec["step_s"])
             if i >= cfg.warmup:
                 records.append(rec)
                 progress(i + 1 - cfg.warmup, rec["shard_loss"], samples)
-    return {"records": records, "notes": notes or [],
+    return {"records": records, "notes": notes,
             "params": final_state(cfg, unwrapped if unwrapped is not None else model)}
 
 

@@ -1,0 +1,269 @@
+"""Checkpoint and exact resume; torchrun multi-node on loopback, a killed rank, nodes joining and
+leaving; the faults. The torchrun tests start real agents (seconds each: slow by nature)."""
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+from labkit import checkpoint, experiment
+from labkit.config import RunConfig
+from labkit.elastic import ElasticError, ElasticJob, changes, check_nnodes, free_port
+
+PY = sys.executable
+TINY = dict(width=32, depth=2, global_batch=32, dataset_size=256, warmup=0, timeout_s=60)
+
+
+def _state(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _save(folder, cfg, step=3, model=None):
+    model = model or nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return checkpoint.save(folder, step=step, epoch=0, offset=0, world_size=1, cfg=cfg,
+                           model=model, optimizer=opt, rng=[checkpoint.rng_state()])
+
+
+# ---- the file ----------------------------------------------------------------------------------
+
+def test_save_load_round_trip_and_rng(tmp_path):
+    cfg = RunConfig(strategy="single", world_size=1)
+    model = nn.Linear(4, 2)
+    torch.manual_seed(7)
+    _save(tmp_path, cfg, 5, model)
+    expected = torch.rand(3)
+    torch.rand(10)                                     # move the stream on
+    ck = checkpoint.load(str(tmp_path), cfg)
+    assert ck.step == 5 and ck.world_size == 1 and ck.fingerprint == checkpoint.fingerprint(cfg)
+    assert all(torch.equal(ck.model[k], v) for k, v in model.state_dict().items())
+    checkpoint.set_rng_state(ck.rng[0])
+    assert torch.equal(torch.rand(3), expected)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]    # no temp file left
+
+
+def test_truncated_foreign_and_other_run_are_refused(tmp_path):
+    cfg = RunConfig(strategy="single", world_size=1)
+    path = _save(tmp_path, cfg)
+    raw = open(path, "rb").read()
+    open(path, "wb").write(raw[:-100])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.load(path)
+    open(path, "wb").write(raw[:-1] + bytes([raw[-1] ^ 1]))
+    with pytest.raises(checkpoint.CheckpointError, match="SHA-256"):
+        checkpoint.load(path)
+    torch.save({"model": {}}, path)                    # a plain torch file
+    with pytest.raises(checkpoint.CheckpointError, match="not a labkit checkpoint"):
+        checkpoint.load(path)
+    open(path, "wb").write(raw)
+    with pytest.raises(checkpoint.CheckpointError, match="different run.*fingerprint"):
+        checkpoint.load(path, cfg.replace(lr=0.01))
+    assert checkpoint.load(path, cfg.replace(steps=99)).step == 3   # steps may change
+
+
+@contextmanager
+def refusing_writes(folder):
+    """A folder nobody may write in (root ignores permissions: make it immutable instead)."""
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o500)
+        yield
+        os.chmod(folder, 0o700)
+        return
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(folder)]).returncode:
+        pytest.skip("running as root without chattr: cannot make a folder refuse writes")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_a_folder_refusing_writes_keeps_the_previous_checkpoint(tmp_path):
+    cfg = RunConfig(strategy="single", world_size=1)
+    _save(tmp_path, cfg, step=3)
+    with refusing_writes(tmp_path):
+        with pytest.raises(checkpoint.CheckpointError, match="previous one.*intact"):
+            _save(tmp_path, cfg, step=4)
+    assert checkpoint.load(str(tmp_path), cfg).step == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
+    cfg = RunConfig(strategy="single", world_size=1)
+    _save(tmp_path, cfg, step=3)
+    size = os.path.getsize(tmp_path / "checkpoint.pt")
+    # a child whose files may not grow past 4 KiB: the write of a bigger model fails half-way
+    code = ("import resource, signal, torch; from torch import nn; from labkit import checkpoint;"
+            "from labkit.config import RunConfig\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "m = nn.Linear(256, 256); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "try:\n checkpoint.save(%r, step=9, epoch=0, offset=0, world_size=1, "
+            "cfg=RunConfig(strategy='single', world_size=1), model=m, optimizer=o, rng=[])\n"
+            "except checkpoint.CheckpointError as e: print('refused', e)\n") % str(tmp_path)
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "refused" in r.stdout and "intact" in r.stdout, r.stdout + r.stderr
+    assert checkpoint.load(str(tmp_path), cfg).step == 3
+    assert os.path.getsize(tmp_path / "checkpoint.pt") == size
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+@pytest.mark.parametrize("changes_, words", [
+    (dict(checkpoint_every=5), "needs a folder: set checkpoint_dir"),
+    (dict(checkpoint_dir="x", checkpoint_every=-1), "checkpoint_every must be >= 0"),
+    (dict(checkpoint_dir="x", strategy="pipeline_gpipe"), "data-parallel strategies"),
+    (dict(checkpoint_dir="x", strategy="ddp_naive", slowdown="1:2"), "load-balancing"),
+])
+def test_config_checks(changes_, words):
+    with pytest.raises(ValueError, match=words):
+        RunConfig(**{"strategy": "ddp", "world_size": 2, **changes_})
+
+
+@pytest.mark.parametrize("nnodes", ["0:2", "3:2", "x"])
+def test_nnodes_that_can_never_be_met(nnodes):
+    with pytest.raises(ValueError, match="can never be met|is not N or MIN:MAX"):
+        check_nnodes(nnodes)
+    with pytest.raises(ValueError, match="needs at least 2 agents"):
+        check_nnodes("2:3", agents=1)
+
+
+# ---- exact resume (labkit.launch: no torchrun) ---------------------------------------------------
+
+def test_ten_steps_equal_five_then_five_resumed_also_from_two_ranks_to_one(tmp_path):
+    base = RunConfig(strategy="ddp", world_size=2, steps=10, deterministic=True, **TINY)
+    straight = experiment.run(base).params
+    folder = str(tmp_path / "a")
+    first = experiment.run(base.replace(steps=5, checkpoint_dir=folder))
+    assert sorted(first.records["step"].unique()) == [0, 1, 2, 3, 4]
+    resumed = experiment.run(base.replace(checkpoint_dir=folder))
+    assert sorted(resumed.records["step"].unique()) == [5, 6, 7, 8, 9]
+    assert max((straight[k] - resumed.params[k]).abs().max().item() for k in straight) <= 1e-6
+    # 2 ranks -> 1, the same global batch re-sharded: the same samples, the same update
+    folder = str(tmp_path / "b")
+    experiment.run(base.replace(steps=5, checkpoint_dir=folder, checkpoint_every=2))
+    alone = experiment.run(base.replace(strategy="single", world_size=1, checkpoint_dir=folder))
+    assert max((straight[k] - alone.params[k]).abs().max().item() for k in straight) <= 1e-5
+    assert any("world size 2" in n for n in alone.notes)
+    steps = [r for r in checkpoint.read_timeline(folder) if r["event"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    assert [r["world_size"] for r in steps] == [2] * 5 + [1] * 5
+
+
+# ---- torchrun ----------------------------------------------------------------------------------
+
+def _no_leftovers(job):
+    pids = [a.proc.pid for a in job.agents]
+    job.close()
+    left = [p for p in psutil.process_iter(["cmdline"])
+            if job.run_id in " ".join(p.info["cmdline"] or []) and p.is_running()
+            and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left and not any(psutil.pid_exists(p) and psutil.Process(p).status()
+                                != psutil.STATUS_ZOMBIE for p in pids), left
+
+
+def test_two_agents_on_loopback_write_the_standalone_records(tmp_path):
+    args = ["--strategy", "ddp", "--steps", "4", "--warmup", "1", "--width", "32", "--depth", "2",
+            "--global-batch", "32", "--dataset-size", "256"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    alone = tmp_path / "alone.json"
+    r = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "labkit.worker", *args, "--out", str(alone)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    port, two = free_port(), tmp_path / "two.json"
+    cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t2",
+           "--rdzv-conf", "join_timeout=30,last_call_timeout=1", "-m", "labkit.worker", *args,
+           "--out", str(two)]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True) for _ in range(2)]
+    try:
+        outs = [a.communicate(timeout=120)[0].decode() for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+    assert [a.returncode for a in agents] == [0, 0], outs
+    a, b = (json.loads(p.read_text())["records"] for p in (alone, two))
+    key = lambda x: (x["step"], x["rank"])                                  # noqa: E731
+    a, b = sorted(a, key=key), sorted(b, key=key)
+    assert [key(x) for x in a] == [key(x) for x in b] and set(a[0]) == set(b[0])
+    assert all(x["world_size"] == 2 for x in b)
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= 1e-6
+
+
+def test_a_killed_rank_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
+    cfg = RunConfig(strategy="ddp", steps=40, **TINY)
+    with ElasticJob(cfg, nnodes="1", nproc_per_node=2, max_restarts=1, folder=str(tmp_path),
+                    checkpoint_every=5) as job:
+        job.add_agent()
+        job.wait_for(lambda r: len(r) > 0 and r["step"].max() >= 7)
+        job.kill_worker()
+        job.wait(120)
+        steps = job.steps()
+        ch = changes(job.events, steps, job.t0)
+        _no_leftovers(job)
+    assert list(steps["attempt"].unique()) == [0, 1]
+    first = steps[steps["attempt"] == 1]["step"].min()
+    assert (first - 1) % 5 == 0                       # resumed right after a checkpoint
+    assert ch.iloc[0]["event"] == "kill" and ch.iloc[0]["steps_lost"] == \
+        steps[steps["attempt"] == 0]["step"].max() - (first - 1)
+    assert steps.groupby("attempt")["step"].max()[1] == 40
+    starts = [r for r in checkpoint.read_timeline(job.cfg.checkpoint_dir) if r["event"] == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, first - 1]
+    recs = json.loads((tmp_path / "records.json").read_text())
+    assert {x["attempt"] for x in recs["records"]} == {1} and recs["meta"]["timeline"]
+
+
+def test_a_node_joins_and_leaves_and_the_global_batch_stays(tmp_path):
+    cfg = RunConfig(strategy="ddp", steps=60, **TINY)
+    with ElasticJob(cfg, nnodes="1:2", max_restarts=2, folder=str(tmp_path)) as job:
+        job.add_agent()
+        job.wait_for(lambda r: len(r) > 0 and r["step"].max() >= 5)
+        job.add_agent()
+        job.wait_for(lambda r: (r["world_size"] == 2).sum() >= 5, timeout_s=90)
+        job.remove_agent(1)
+        job.wait(120)
+        steps = job.steps()
+        ch = changes(job.events, steps, job.t0)
+        _no_leftovers(job)
+    sizes = steps["world_size"].tolist()
+    assert sizes[0] == 1 and 2 in sizes and sizes[-1] == 1
+    assert list(ch["event"]) == ["join", "leave"]
+    assert list(ch["world_after"]) == [2, 1]
+    # every step 1..60 was trained once, with the whole global batch, and the curve goes on
+    assert sorted(steps["step"].drop_duplicates()) == list(range(1, 61))
+    rows = [r for r in checkpoint.read_timeline(job.cfg.checkpoint_dir) if r["event"] == "step"]
+    assert {r["samples"] for r in rows} == {32}
+    # the same samples, the same updates: the loss curve is the one-rank curve
+    ref = experiment.run(cfg.replace(strategy="single", world_size=1, deterministic=True))
+    last = steps.drop_duplicates("step", keep="last").set_index("step")["loss"]
+    assert (last - ref.records.set_index(ref.records["step"] + 1)["loss"]).abs().max() < 1e-4
+
+
+def test_an_endpoint_nobody_serves_times_out_clearly(tmp_path):
+    cfg = RunConfig(strategy="ddp", steps=2, **TINY)
+    # 192.0.2.1 (TEST-NET-1) is never this machine, so the agent must connect as a client
+    with ElasticJob(cfg, nnodes="1:2", endpoint=f"192.0.2.1:{free_port()}", folder=str(tmp_path),
+                    rdzv={"read_timeout": 3, "join_timeout": 5}) as job:
+        job.add_agent()
+        with pytest.raises(ElasticError, match="nobody serves the rendezvous endpoint"):
+            job.wait(60)
+        _no_leftovers(job)
+
+
+def test_a_minimum_never_reached_says_so(tmp_path):
+    cfg = RunConfig(strategy="ddp", steps=2, **TINY)
+    with ElasticJob(cfg, nnodes="2:2", folder=str(tmp_path), rdzv={"join_timeout": 3}) as job:
+        job.add_agent()
+        with pytest.raises(ElasticError, match="never reached its minimum of 2"):
+            job.wait(60)
+        _no_leftovers(job)
