@@ -81,16 +81,23 @@ class Calibration:
 
 
 def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
-    """(wall seconds, seconds inside steps, steps, busy) of one run."""
-    from ..experiment import run
-    from ..experiment import BUSY_SHARE
+    """(wall seconds, seconds the steps took, steps, busy) of one run. The steps' time comes
+    from the checkpoint timeline's step stamps (``labkit.checkpoint``), so it includes writing a
+    checkpoint after every step, as the replay does; the rest of the wall time is start-up
+    (launch, model build, resume) and teardown."""
+    from ..checkpoint import read_timeline
+    from ..experiment import BUSY_SHARE, run
     t0 = time.perf_counter()
     res = run(cfg, cancel=cancel)
     wall = time.perf_counter() - t0
-    step = res.records.groupby("step")["step_s"].max()
+    rows = read_timeline(cfg.checkpoint_dir)
+    last_start = max(i for i, r in enumerate(rows) if r.get("event") == "start")
+    stamps = [r["time"] for r in rows[last_start:] if r.get("event") == "step"]
+    n = len(stamps)
+    per_step = (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else wall
     share = res.records.get("compute_cpu_share")
     busy = bool(share is not None and share.median() < BUSY_SHARE)
-    return wall, float(step.sum()), len(step), busy
+    return wall, per_step * n, n, busy
 
 
 def calibrate(steps: int = 30, folder: str | None = None) -> Calibration:
@@ -98,6 +105,8 @@ def calibrate(steps: int = 30, folder: str | None = None) -> Calibration:
     own = folder is None
     folder = folder or tempfile.mkdtemp(prefix="labkit-sched-cal-")
     try:
+        # the first launch in a process starts labkit's forkserver (seconds): not a job's cost
+        _timed_run(job_config(1, 2, os.path.join(folder, "warmup")))
         out: dict = {}
 
         def one(i: int) -> None:
