@@ -208,3 +208,35 @@ def test_cli_prints_a_table_per_policy(tmp_path):
     import json
     rows = json.loads((tmp_path / "m.json").read_text())["metrics"]
     assert [r["policy"] for r in rows] == ["fifo", "las", "elastic"]
+
+
+def _children() -> set:
+    import psutil
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline())}
+
+
+def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process():
+    from labkit.sched import replay
+    cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)   # for the simulator
+    trace = [replay.ReplayJob(0, 0.0, 1, 60), replay.ReplayJob(1, 0.3, 2, 12),
+             replay.ReplayJob(2, 0.6, 1, 10)]
+    before = _children()
+    report = replay.check(trace, ["las"], calibration=cal)
+    jobs = report.real["las"][0]
+    assert all(j.finish_s is not None for j in jobs)
+    # job 0 runs alone past its 1.5 GPU-second queue boundary; job 1 (2 workers, level 0)
+    # then evicts it: a real stop and a resume from its checkpoint
+    assert jobs[0].restarts >= 1
+    assert report.jobs["real_restarts"].sum() >= 1
+    assert set(report.table.columns) >= {"policy", "sim_mean_jct_s", "real_mean_jct_s", "error"}
+    assert _children() - before == set()
+
+
+def test_replay_checks_its_input_before_running():
+    from labkit.sched import replay
+    with pytest.raises(ValueError, match="3 to 12 jobs"):
+        replay.small_trace(2)
+    with pytest.raises(ValueError, match="unknown policy"):
+        replay.check(3, ["fifo", "nope"], calibration=replay.Calibration({1: 1.0, 2: 1.5},
+                                                                         {1: 0.1, 2: 0.1}, 0.0))

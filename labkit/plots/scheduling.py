@@ -60,7 +60,8 @@ def gantt(result, max_jobs: int = 40, unit: str = "h") -> go.Figure:
             y=[f"job {g['job_id']}" for g in part], orientation="h", marker_color=color,
             text=[str(g["gpus"]) for g in part], textposition="inside",
             name="spread over nodes" if spread else "on one node",
-            hovertext=[f"{g['gpus']} GPU(s) on {g['nodes']}, priority {g['priority']}"
+            hovertext=[f"{g['gpus']} GPU(s) on node(s) "
+                       f"{', '.join(f'{n}:{c}' for n, c in g['nodes'])}, priority {g['priority']}"
                        for g in part]))
     restarts = [g for g in segs if g["ready_s"] > g["start_s"]]
     if restarts:

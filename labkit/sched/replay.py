@@ -233,7 +233,7 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
         s.done = float(_checkpointed_step(os.path.join(folder, f"job{jid}")))
         s.settle(t)
         gantt.append({"job_id": jid, "start_s": s.seg_start, "end_s": t, "gpus": s.alloc,
-                      "nodes": f"0:{s.alloc}", "spread": False, "ready_s": s.seg_start,
+                      "nodes": ((0, s.alloc),), "spread": False, "ready_s": s.seg_start,
                       "priority": s.job.priority})
         free += s.alloc
         s.alloc = 0

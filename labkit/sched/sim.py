@@ -151,7 +151,7 @@ class Simulator:
         by_id = {j.job_id: j for j in self.jobs}
         while self.events:
             now = self.events[0][0]
-            rounds = False
+            rounds = acted = False                   # stale events alone change nothing
             while self.events and self.events[0][0] == now:
                 t, kind, _, jid, version = heapq.heappop(self.events)
                 self.n_events += 1
@@ -159,19 +159,21 @@ class Simulator:
                     s = _State(by_id[jid])
                     self.active[jid] = s
                     self.enqueue(s, now)
-                    self.changed = True
+                    self.changed = acted = True
                 elif kind == FINISH:
                     s = self.active.get(jid)
                     if s is not None and s.version == version:
                         self.finish(s, now)
-                        self.changed = True
+                        self.changed = acted = True
                 elif kind == LEVEL:
                     s = self.active.get(jid)
                     if s is not None and s.version == version and s.alloc:
                         self.reschedule(s, now)  # its key got worse: re-rank it among running
+                        acted = True
                 elif kind == ROUND:
-                    self.round_pending, rounds = False, True
-            self.schedule(now, rounds)
+                    self.round_pending, rounds, acted = False, True, True
+            if acted:
+                self.schedule(now, rounds)
             if self.policy.round_s and self.active and not self.round_pending:
                 r = self.policy.round_s
                 self.push((math.floor(now / r) + 1) * r, ROUND)
@@ -347,8 +349,8 @@ class Simulator:
         t0 = max(now, s.ready_t)
         self.push(t0 + (s.job.work - s.done) / s.rate, FINISH, s.job.job_id, s.version)
         # a demotion that is due now (float rounding left gpu_s a hair below) is not due again
-        nxt = self.policy.next_threshold(s.gpu_s + 1e-9 * (1 + s.gpu_s))
-        if nxt is not None:
+        nxt = self.policy.thresholds and self.policy.next_threshold(s.gpu_s + 1e-9 * (1 + s.gpu_s))
+        if nxt:
             self.push(now + (nxt - s.gpu_s) / s.alloc, LEVEL, s.job.job_id, s.version)
         self.push_running(s, now)
 
@@ -376,7 +378,7 @@ class Simulator:
         self.busy_gpu_s += s.alloc * (now - s.seg_start)
         if self.record and now > s.seg_start:
             self.gantt.append({"job_id": s.job.job_id, "start_s": s.seg_start, "end_s": now,
-                               "gpus": s.alloc, "nodes": ",".join(f"{n}:{c}" for n, c in s.nodes),
+                               "gpus": s.alloc, "nodes": s.nodes,
                                "spread": len(s.nodes) > 1, "ready_s": min(s.ready_t, now),
                                "priority": s.job.priority})
 
