@@ -20,9 +20,9 @@ __version__ = "0.1.0"
 _LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment",
          "check": "experiment", "grid": "experiment", "run_panel": "widgets",
          "pipeline_panel": "widgets", "comm_panel": "widgets", "balance_panel": "widgets",
-         "elastic_panel": "widgets"}
+         "elastic_panel": "widgets", "sched_panel": "widgets"}
 _SUBMODULES = ("experiment", "report", "plots", "timeline", "predict", "equivalence", "widgets",
-               "comm", "profile", "balance", "uneven", "sharding", "checkpoint", "elastic")
+               "comm", "profile", "balance", "uneven", "sharding", "checkpoint", "elastic", "sched")
 
 
 def __getattr__(name):

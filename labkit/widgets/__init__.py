@@ -6,7 +6,9 @@ from .elastic_panel import ElasticPanel, elastic_panel
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
 from .pipeline_panel import PipelinePanel, last_step_events, pipeline_panel
 from .run_panel import RunPanel, run_panel, world_sizes_upto
+from .sched_panel import SchedPanel, sched_panel
 
 __all__ = ["BackgroundRun", "mime_output", "RunPanel", "run_panel", "world_sizes_upto",
            "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel", "comm_panel",
-           "BalancePanel", "balance_panel", "ElasticPanel", "elastic_panel"]
+           "BalancePanel", "balance_panel", "ElasticPanel", "elastic_panel", "SchedPanel",
+           "sched_panel"]

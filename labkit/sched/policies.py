@@ -1,0 +1,186 @@
+"""Scheduling policies: who gets GPUs, in what order, and whether a running job can lose them.
+
+A policy is a ranking of jobs (``key``: smaller is served first) plus a few flags the simulator
+(``labkit.sched.sim``) reads:
+
+* ``preemptive``: a waiting job may take GPUs from running jobs ranked strictly below it;
+* ``round_s``: the whole allocation is recomputed every round (time-sharing policies whose
+  ranking changes while jobs wait); between rounds, free GPUs go to waiting jobs in key order;
+* ``elastic``: the policy also picks how many workers each job gets (``elastic_targets``).
+
+Every policy is work-conserving: a job that does not fit is skipped and smaller ones behind it
+start (backfilling), so no policy leaves GPUs idle while a waiting job would fit.
+
+Policies (the papers they follow, in the simplified form a teaching simulator can state exactly):
+
+``fifo``       arrival order, never preempts.
+``srtf``       shortest remaining time (at the requested size) first, preemptive.
+``priority``   higher ``priority`` first, then arrival; preemptive (a high-priority arrival
+               evicts the most recent low-priority jobs).
+``las``        Tiresias' discretised two-dimensional least attained service (Gu et al.,
+               NSDI'19): a job's attained service is GPUs x seconds it has held; queues split at
+               ``thresholds`` (GPU-seconds), lower queue first, arrival order inside a queue;
+               preemptive. Tiresias' starvation guard (promotion after a long wait) is left out.
+``maxmin``     max-min fairness of normalised throughput (Gavel's ``max_min_fairness``, as rounds):
+               each round runs the jobs that have held their requested GPUs for the smallest share
+               of their time in the system.
+``ftf``        finish-time fairness (Themis, Mahajan et al., NSDI'20, as rounds): each round runs the
+               jobs with the largest estimated rho = (time in system + remaining time alone) /
+               (time alone), the jobs that are worst off relative to running alone.
+``elastic``    Pollux-like (Qiao et al., OSDI'21): every job gets one worker if there are enough
+               (priority, then arrival), then each further GPU goes to the job whose speed-up
+               gains most from it (``Curve.speedup``, with the placement penalty when it would span
+               nodes); workers are added or removed while jobs run, each change a restart.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass
+class Policy:
+    name: str
+    preemptive: bool = False
+    round_s: float | None = None
+    elastic: bool = False
+    thresholds: tuple = ()           # las: GPU-second boundaries between queues
+
+    def key(self, s, now: float) -> tuple:
+        """Rank of job state ``s`` at ``now``: smaller runs first."""
+        raise NotImplementedError
+
+    def level(self, gpu_s: float) -> int:
+        gpu_s += 1e-9 * (1 + gpu_s)                  # at a boundary (up to rounding): the next queue
+        return sum(gpu_s >= t for t in self.thresholds)
+
+    def next_threshold(self, gpu_s: float) -> float | None:
+        return next((t for t in self.thresholds if t > gpu_s), None)
+
+
+class FIFO(Policy):
+    def __init__(self):
+        super().__init__("fifo")
+
+    def key(self, s, now):
+        return (s.job.arrival_s, s.job.job_id)
+
+
+class SRTF(Policy):
+    def __init__(self):
+        super().__init__("srtf", preemptive=True)
+
+    def key(self, s, now):
+        return (s.remaining_alone_s(now), s.job.arrival_s, s.job.job_id)
+
+
+class Priority(Policy):
+    def __init__(self):
+        super().__init__("priority", preemptive=True)
+
+    def key(self, s, now):
+        return (-s.job.priority, s.job.arrival_s, s.job.job_id)
+
+
+class LAS(Policy):
+    def __init__(self, thresholds: Sequence[float] = (3600.0, 36000.0)):
+        th = tuple(sorted(float(t) for t in thresholds))
+        if any(t <= 0 for t in th):
+            raise ValueError(f"las thresholds must be positive GPU-seconds, got {thresholds}")
+        super().__init__("las", preemptive=True, thresholds=th)
+
+    def key(self, s, now):
+        return (self.level(s.gpu_s_at(now)), s.job.arrival_s, s.job.job_id)
+
+
+class MaxMin(Policy):
+    def __init__(self, round_s: float = 360.0):
+        super().__init__("maxmin", round_s=round_s)
+
+    def key(self, s, now):
+        age = now - s.job.arrival_s
+        share = s.run_s_at(now) / age if age > 0 else 0.0
+        return (share, s.job.arrival_s, s.job.job_id)
+
+
+class FinishTimeFairness(Policy):
+    def __init__(self, round_s: float = 360.0):
+        super().__init__("ftf", round_s=round_s)
+
+    def key(self, s, now):
+        rho = (now - s.job.arrival_s + s.remaining_alone_s(now)) / s.alone_s
+        return (-rho, s.job.arrival_s, s.job.job_id)
+
+
+class Elastic(Policy):
+    def __init__(self, round_s: float = 360.0):
+        super().__init__("elastic", round_s=round_s, elastic=True)
+
+    def key(self, s, now):
+        return (-s.job.priority, s.job.arrival_s, s.job.job_id)
+
+
+POLICIES = {"fifo": FIFO, "srtf": SRTF, "priority": Priority, "las": LAS, "maxmin": MaxMin,
+            "ftf": FinishTimeFairness, "elastic": Elastic}
+
+
+def make_policy(name: str | Policy, **options) -> Policy:
+    """A policy by name; ``options``: ``round_s`` (maxmin, ftf, elastic), ``thresholds`` (las)."""
+    if isinstance(name, Policy):
+        return name
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}")
+    cls = POLICIES[name]
+    accepted = {"las": ("thresholds",), "maxmin": ("round_s",), "ftf": ("round_s",),
+                "elastic": ("round_s",)}.get(name, ())
+    kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
+    if "round_s" in kwargs and not kwargs["round_s"] > 0:
+        raise ValueError(f"round_s must be positive, got {kwargs['round_s']}")
+    return cls(**kwargs)
+
+
+def greedy_targets(states, policy: Policy, now: float, total_gpus: int) -> dict:
+    """The allocation a ranking gives: walk the jobs in key order, give each its request if it
+    still fits, skip it otherwise. {job_id: gpus} of the jobs that run."""
+    free, target = total_gpus, {}
+    for s in sorted(states, key=lambda s: policy.key(s, now)):
+        if s.job.gpus <= free:
+            target[s.job.job_id] = s.job.gpus
+            free -= s.job.gpus
+            if free == 0:
+                break
+    return target
+
+
+def elastic_targets(states, policy: Policy, now: float, total_gpus: int,
+                    gpus_per_node: int) -> dict:
+    """Pollux-like allocation: one worker each in key order while GPUs last, then each GPU to
+    the largest marginal speed-up (spanning nodes costs the curve's spread factor); a job
+    stops growing where one more worker gains nothing."""
+    order = sorted(states, key=lambda s: policy.key(s, now))
+    target, free = {}, total_gpus
+    for s in order[:total_gpus]:
+        target[s.job.job_id] = 1
+    free -= len(target)
+    curve_of = {s.job.job_id: s.job.curve for s in order}
+    tables: dict = {}
+
+    def gains(c) -> list[float]:                   # gains[k]: speed-up of worker k + 1 over k
+        if id(c) not in tables:
+            sp = [c(k, k > gpus_per_node) / c(1) for k in range(1, c.max_workers + 1)]
+            tables[id(c)] = [0.0] + [b - a for a, b in zip(sp, sp[1:])] + [0.0]
+        return tables[id(c)]
+    heap = [(-gains(curve_of[j])[1], j) for j in target]
+    heapq.heapify(heap)
+    while free > 0 and heap:
+        g, jid = heapq.heappop(heap)
+        if -g <= 1e-9:
+            break
+        target[jid] += 1
+        free -= 1
+        k = target[jid]
+        table = gains(curve_of[jid])
+        if k < len(table) - 1:
+            heapq.heappush(heap, (-table[k], jid))
+    return target
