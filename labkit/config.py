@@ -14,6 +14,8 @@ STRATEGY_RANKS = {
     "model_parallel": "world",
     "pipeline_gpipe": "world",
     "pipeline_1f1b": "world",
+    "zero1": "world",
+    "fsdp": "world",
 }
 PIPELINE_STRATEGIES = ("model_parallel", "pipeline_gpipe", "pipeline_1f1b")
 MODELS = ("mlp", "cnn", "unbalanced_mlp")
@@ -69,6 +71,12 @@ class RunConfig:
     sync_batchnorm: bool = False  # ddp/ddp_naive: batch statistics over the global batch (SyncBN)
     deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final state
     timeout_s: float = 300.0     # a launch (and every collective) gives up after this long
+
+    # ---- memory and mixed precision (labkit.memory, labkit.precision, notebook 05): knobs of
+    # the shared loop (single, dp, ddp, ddp_naive, zero1, fsdp)
+    precision: str = "fp32"      # "bf16" / "fp16": torch.autocast (fp16 with a GradScaler)
+    checkpoint: bool = False     # ACTIVATION checkpointing (not saving runs): each block keeps
+                                 # only its input and recomputes the rest during backward
 
     def __post_init__(self) -> None:
         from .balance import parse_slowdown           # "1:2,0:1.5@10" or pairs -> triples
@@ -133,6 +141,7 @@ class RunConfig:
                 f"micro-batches on each of {self.ranks} rank(s): pick a global batch that is a "
                 f"multiple of {self.ranks * self.accumulate}")
         self._check_balancing()
+        self._check_memory()
         if self.dataset_size < self.global_batch:
             raise ValueError(
                 f"dataset_size {self.dataset_size} is smaller than one global batch "
@@ -168,6 +177,25 @@ class RunConfig:
         if self.global_batch < 2 * self.world_size and self.rebalance == "dynamic":
             raise ValueError(f"dynamic shares need at least 2 samples per rank: raise global_batch "
                              f"to {2 * self.world_size} or more")
+
+    def _check_memory(self) -> None:
+        from .precision import PRECISIONS, fp16_supported
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
+        if (self.precision != "fp32" or self.checkpoint) and self.strategy in PIPELINE_STRATEGIES:
+            raise ValueError(f"precision and checkpoint are knobs of the data-parallel loop "
+                             f"(single, dp, ddp, ddp_naive, zero1, fsdp), not of {self.strategy}: "
+                             f"set precision='fp32' and checkpoint=False")
+        if self.precision == "fp16":
+            from .env import resolve_device
+            kind = resolve_device(self.device, self.ranks)
+            if not fp16_supported(kind):
+                raise ValueError(f"fp16 autocast with a GradScaler is not supported on {kind} by "
+                                 f"this torch: use precision='bf16' (same speed-up, no scaler)")
+            if self.strategy == "fsdp":
+                raise ValueError("fp16 with fsdp needs a GradScaler that agrees across shards, "
+                                 "which labkit does not build: use precision='bf16' (no scaler)")
 
     @property
     def balancing(self) -> bool:
