@@ -27,6 +27,7 @@ The calculator that predicts these columns is ``labkit.predict.memory`` (re-expo
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Iterable
 
@@ -67,6 +68,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _is_param_copy(t: torch.Tensor) -> bool:
     """A leaf that trains (an FSDP-gathered parameter), or a cast of one (autocast's copy)."""
+    if t._base is not None:                  # addmm saves the weight copy transposed: a view
+        t = t._base
     if t.is_leaf:
         return t.requires_grad
     fn = t.grad_fn
@@ -176,6 +179,36 @@ def variant_of(row) -> str:
     if bool(row.get("checkpoint", False)):
         parts.append("checkpointed")
     return ", ".join(parts)
+
+
+def predict(cfg, optimizer: str = "sgd_momentum", model: nn.Module | None = None,
+            input_shape: tuple | None = None) -> "pd.DataFrame":
+    """The calculator's bytes per rank for a run of ``cfg`` (labkit's toy model, or yours with
+    its one-sample ``input_shape``)."""
+    from .models import make_model
+    from .predict.memory import calculate
+    if model is None:
+        model = make_model(cfg)
+        input_shape = (3, 16, 16) if cfg.model == "cnn" else (cfg.in_features,)
+    strategy = "ddp" if cfg.strategy in ("ddp_naive", "dp") else cfg.strategy
+    return calculate(model, input_shape=input_shape, classes=cfg.classes,
+                     global_batch=cfg.global_batch, strategy=strategy, world_size=cfg.ranks,
+                     precision=cfg.precision, optimizer=optimizer, checkpoint=cfg.checkpoint,
+                     accumulate=cfg.accumulate)
+
+
+def calculator_error(records, cfg, optimizer: str = "sgd_momentum", **model) -> "pd.DataFrame":
+    """Counted against calculated, per rank and category: bytes and the relative error."""
+    import pandas as pd
+    pred = predict(cfg, optimizer, **model).set_index("rank")
+    got = records.groupby("rank")[list(COLUMNS)].max()
+    rows = []
+    for rank in got.index:
+        for c, col in zip(CATEGORIES, COLUMNS):
+            m, p = int(got.at[rank, col]), int(pred.at[rank, c])
+            rows.append({"rank": int(rank), "category": c, "counted": m, "calculated": p,
+                         "error": (p - m) / m if m else (0.0 if p == 0 else math.inf)})
+    return pd.DataFrame(rows)
 
 
 def __getattr__(name):          # the calculator lives with the other predictions
