@@ -50,6 +50,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="with --accumulate: all-reduce after every micro-batch (not no_sync)")
     g.add_argument("--comm-hook", default=d.comm_hook, help="ddp: none, fp16, bf16 or powersgd")
     g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
+    # memory and mixed precision (notebook 05)
+    g.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast)")
+    g.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing per block (recompute in backward)")
 
 
 # RunConfig field -> the flag that sets it, so a config error can name what to type instead
@@ -60,7 +64,8 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "pipeline_impl": "--pipeline-impl", "timeout_s": "--timeout", "world_size": "--world-size",
          "bucket_cap_mb": "--bucket-cap-mb", "accumulate": "--accumulate",
          "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
-         "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every"}
+         "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every",
+         "precision": "--precision", "checkpoint": "--checkpoint"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -74,7 +79,8 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   timeout_s=args.timeout,
                   bucket_cap_mb=args.bucket_cap_mb, accumulate=args.accumulate,
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
-                  powersgd_rank=args.powersgd_rank)
+                  powersgd_rank=args.powersgd_rank,
+                  precision=args.precision, checkpoint=args.checkpoint)
     fields.update(override)
     try:
         return RunConfig(**fields)
@@ -296,6 +302,30 @@ def cmd_comm(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    """Bytes per rank by category for each strategy, counted, and the calculator's error."""
+    from .memory import measure, memory_table
+    base = config_from_args(args, strategy="ddp", world_size=2)
+    sizes = _csv(args.world_sizes, int, "--world-sizes")
+    records, errors = measure(base, _csv(args.strategies, flag="--strategies"), sizes,
+                              args.optimizer)
+    with pd_options():
+        print(memory_table(records).round(4).to_string(index=False))
+        print("MiB per rank: counted from live tensor storage; high_water: the process's peak "
+              "(RSS on CPU: interpreter, libraries and caches too)\n")
+        worst = errors.assign(abs_error=errors["error"].abs()).groupby(["run", "category"],
+                                                                        sort=False)
+        print(worst["abs_error"].max().unstack().round(4).to_string())
+        print("calculator error per category (largest over ranks, |calculated - counted| / "
+              "counted)")
+    return 0
+
+
+def pd_options():
+    import pandas as pd
+    return pd.option_context("display.width", 200, "display.max_columns", 30)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -328,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the table, ceilings and fits here")
     p.add_argument("--html", help="write the bandwidth chart here")
     p.set_defaults(func=cmd_comm)
+
+    p = sub.add_parser("memory", help="memory per rank by category, counted and calculated")
+    p.add_argument("--strategies", default="ddp,zero1,fsdp")
+    p.add_argument("--world-sizes", default="2")
+    p.add_argument("--optimizer", default="sgd_momentum", help="sgd_momentum or adam")
+    add_config_args(p)
+    p.set_defaults(func=cmd_memory, steps=3, warmup=1)
 
     p = sub.add_parser("demo", help="environment report, strategy comparison and check")
     p.add_argument("--strategies", default=DP_STRATEGIES)

@@ -211,6 +211,32 @@ def calculator_error(records, cfg, optimizer: str = "sgd_momentum", **model) -> 
     return pd.DataFrame(rows)
 
 
+def adam(cfg, params) -> torch.optim.Adam:
+    """The optimizer_fn for Adam runs (importable, so rank processes can load it)."""
+    return torch.optim.Adam(params, lr=cfg.lr * 0.02)       # SGD's lr is too large for Adam
+
+
+def measure(base, strategies=("ddp", "zero1", "fsdp"), world_sizes=(2,),
+            optimizer: str = "sgd_momentum", on_result=None):
+    """Run each strategy at each world size; return (records, calculator errors per run,
+    rank and category). ``optimizer``: "sgd_momentum" (labkit's) or "adam"."""
+    import pandas as pd
+    from . import experiment
+    if optimizer not in ("sgd_momentum", "adam"):
+        raise ValueError(f"optimizer must be sgd_momentum or adam, got {optimizer!r}")
+    cfgs = [base.replace(strategy=s, world_size=1 if s == "single" else w)
+            for s in strategies for w in ((1,) if s == "single" else world_sizes)]
+    results, errors = [], []
+    for cfg in cfgs:
+        res = experiment.run(cfg, optimizer_fn=adam if optimizer == "adam" else None)
+        results.append(res)
+        err = calculator_error(res.records, cfg, optimizer)
+        errors.append(err.assign(run=experiment.config_label(cfg)))
+        if on_result is not None:
+            on_result(res)
+    return experiment.combine(results), pd.concat(errors, ignore_index=True)
+
+
 def __getattr__(name):          # the calculator lives with the other predictions
     if not name.startswith("__"):
         from .predict import memory as calc

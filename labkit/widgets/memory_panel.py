@@ -10,17 +10,12 @@ import pandas as pd
 
 from .. import experiment
 from ..config import RunConfig
-from ..memory import CATEGORIES, calculator_error, memory_table, predict
+from ..memory import CATEGORIES, adam, calculator_error, memory_table, predict
 from ..plots import memory as charts
 from ..precision import PRECISIONS
 from .base import BackgroundRun, mime_output
 
 _OPTIMIZERS = {"SGD with momentum": "sgd_momentum", "Adam": "adam"}
-
-
-def _adam(cfg, params):
-    import torch
-    return torch.optim.Adam(params, lr=cfg.lr * 0.02)
 
 
 class MemoryPanel(BackgroundRun):
@@ -90,7 +85,7 @@ class MemoryPanel(BackgroundRun):
     def execute(self, cancel: threading.Event):
         cfg = self.config()
         self._bars = self.progress_bars([f"rank {r}" for r in range(cfg.ranks)], cfg.steps)
-        res = experiment.run(cfg, cancel=cancel, optimizer_fn=_adam if self.opt == "adam" else None,
+        res = experiment.run(cfg, cancel=cancel, optimizer_fn=adam if self.opt == "adam" else None,
                              on_progress=lambda r, m: self._progress(r, m))
         err = calculator_error(res.records, cfg, self.opt)
         self.finished.append((self.label(cfg), cfg, res.records, err))
@@ -102,7 +97,7 @@ class MemoryPanel(BackgroundRun):
         rows = []
         for label, _, records, err in self.finished:
             counted = err.pivot(index="rank", columns="category", values="counted").max()
-            rows.append({"run": label, **{f"{c}_mib": counted[c] / 2**20 for c in counted.index},
+            rows.append({"run": label, **{f"{c}_mib": counted[c] / 2**20 for c in CATEGORIES},
                          "high_water_mib": records["peak_mem_bytes"].max() / 2**20,
                          "max_abs_error": err["error"].abs().max()})
         return pd.DataFrame(rows)
