@@ -67,7 +67,8 @@ def activation_bytes(model: nn.Module, input_shape: tuple, classes: int, *,
                 saved[id(out) + 1] = inp.numel() * low   # the 16-bit cast of the input, a new tensor
             else:
                 save(inp)
-            if half and base(inp) != batch:
+            # addmm saves the weight only to compute the input's gradient; convolution always
+            if half and (base(inp) != batch or not isinstance(module, nn.Linear)):
                 copies[0] += module.weight.numel() * low
             size[id(out)] = low
         else:
