@@ -8,9 +8,9 @@ the median over rounds of each run's median step time is compared, and the count
 (``labkit.memory``: activations, and all five categories) of the two. A second pair compares the
 CNN with and without activation checkpointing: backward time and activation bytes.
 
-On CPU bf16 is usually *slower* than fp32 unless the cores have native bf16 matrix units (AVX512
-BF16 / AMX): casts cost time and the matmuls gain little. The memory ratio holds anywhere; the
-time ratio is this machine's (on a GPU with tensor cores expect the reverse).
+On CPU, bf16 pays off only where the cores have bf16 matrix instructions (AVX512-BF16, AMX, as
+this project's machine has); elsewhere the casts cost more than the matmuls gain. The memory
+ratios hold anywhere; the time ratio is this machine's.
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def pair(base: RunConfig, a: dict, b: dict, rounds: int) -> dict:
                                       / recs["a"]["mem_activations_bytes"].max()),
             "counted_ratio": float(recs["b"][cols].sum(axis=1).max()
                                    / recs["a"][cols].sum(axis=1).max()),
+            "high_water_ratio": float(recs["b"]["peak_mem_bytes"].max()
+                                      / recs["a"]["peak_mem_bytes"].max()),
             "step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
             "busy": busy}
 
@@ -67,6 +69,8 @@ def main(argv=None) -> int:
     print(f"fp32 {prec['step_ms']['a']:.1f} ms/step, bf16 {prec['step_ms']['b']:.1f} ms/step")
     print(f"bf16/fp32 activation bytes ratio: {prec['activation_ratio']:.2f}")
     print(f"bf16/fp32 counted bytes ratio (all categories): {prec['counted_ratio']:.2f}")
+    print(f"bf16/fp32 process high-water ratio (RSS, each run its own processes): "
+          f"{prec['high_water_ratio']:.2f}")
     print(f"checkpointed/plain cnn activation bytes ratio: {ckpt['activation_ratio']:.2f}")
     print(f"checkpointed/plain cnn backward time ratio: {ckpt['backward_ratio']:.2f}")
     if args.json:

@@ -158,27 +158,16 @@ def memory_table(records) -> "pd.DataFrame":
     from .experiment import _labels
     if "threads" not in records:
         records = records.assign(threads=1)
-    keys = ["strategy", "world_size", "threads", "rank"]
-    extra = [k for k in ("precision", "checkpoint") if k in records]
-    g = records.groupby(keys + extra, sort=False)
-    t = g[list(COLUMNS) + ["peak_mem_bytes"]].max().reset_index()
-    out = pd.DataFrame({"run": _labels(t.assign(variant=[variant_of(r) for _, r in t.iterrows()])),
-                        "rank": t["rank"].astype(int)})
+    records = records.assign(variant=records["variant"].fillna("") if "variant" in records
+                             else "")
+    keys = ["strategy", "world_size", "threads", "variant", "rank"]
+    t = records.groupby(keys, sort=False)[list(COLUMNS) + ["peak_mem_bytes"]].max().reset_index()
+    out = pd.DataFrame({"run": _labels(t), "rank": t["rank"].astype(int)})
     for c, col in zip(CATEGORIES, COLUMNS):
         out[f"{c}_mib"] = t[col] / 2**20
     out["counted_mib"] = t[list(COLUMNS)].sum(axis=1) / 2**20
     out["high_water_mib"] = t["peak_mem_bytes"] / 2**20
     return out
-
-
-def variant_of(row) -> str:
-    """What tells memory runs apart beyond strategy and world size."""
-    parts = []
-    if row.get("precision", "fp32") not in ("fp32", None):
-        parts.append(str(row["precision"]))
-    if bool(row.get("checkpoint", False)):
-        parts.append("checkpointed")
-    return ", ".join(parts)
 
 
 def predict(cfg, optimizer: str = "sgd_momentum", model: nn.Module | None = None,

@@ -159,15 +159,25 @@ def test_bf16_and_fp16_track_fp32(no_leftover_ranks):
 
 
 def test_calculator_matches_counted_at_world_sizes_1_and_2(no_leftover_ranks):
-    records, errors = memory.measure(BASE.replace(steps=1), ["single", "ddp", "zero1", "fsdp"],
-                                     (2,), optimizer="adam")
-    assert set(errors["run"]) == {"single (2 threads)", "ddp@2", "zero1@2", "fsdp@2"} or \
-        len(set(errors["run"])) == 4
+    records, errors = memory.measure(BASE.replace(steps=1), ["ddp", "zero1", "fsdp"], (1, 2),
+                                     optimizer="adam")
+    assert sorted(set(errors["run"])) == ["ddp@1", "ddp@2", "fsdp@1", "fsdp@2", "zero1@1",
+                                          "zero1@2"]
     assert (errors["error"].abs() <= 0.05).all(), errors[errors["error"].abs() > 0.05]
     table = memory.memory_table(records).set_index(["run", "rank"])
     total = table["counted_mib"].groupby(level=0).max()
     assert total["fsdp@2"] < total["zero1@2"] < total["ddp@2"]
+    assert total["fsdp@1"] == total["ddp@1"]           # one rank: nothing to shard
     assert (table["high_water_mib"] > table["counted_mib"]).all()
+
+
+def test_memory_command_prints_categories_and_errors(capsys, no_leftover_ranks):
+    from labkit.__main__ import main
+    assert main(["memory", "--strategies", "fsdp", "--world-sizes", "2", "--steps", "1",
+                 "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp@2 bf16" in out and "activations_mib" in out and "calculator error" in out
+    assert main(["memory", "--strategies", "fsdp", "--precision", "fp8"]) == 2
 
 
 def test_checkpointing_lowers_counted_activations_on_ranks(no_leftover_ranks):
