@@ -8,8 +8,8 @@ the median over rounds of each run's median step time is compared, and the count
 (``labkit.memory``: activations, and all five categories) of the two. A second pair compares the
 CNN with and without activation checkpointing: backward time and activation bytes.
 
-On CPU, bf16 pays off only where the cores have bf16 matrix instructions (AVX512-BF16, AMX, as
-this project's machine has); elsewhere the casts cost more than the matmuls gain. The memory
+On CPU, bf16 pays off only where the cores have bf16 matrix instructions (AVX512-BF16, which
+this project's machine has, or AMX); elsewhere the casts cost more than the matmuls gain. The memory
 ratios hold anywhere; the time ratio is this machine's.
 """
 from __future__ import annotations

@@ -144,13 +144,14 @@ def test_zero1_and_fsdp_match_single(no_leftover_ranks):
 
 
 def test_bf16_and_fp16_track_fp32(no_leftover_ranks):
-    cfg = BASE.replace(strategy="single", world_size=1, steps=6, warmup=0)
+    cfg = BASE.replace(strategy="single", world_size=1, steps=12, warmup=0, lr=0.2)
     runs = {p: experiment.run(cfg.replace(precision=p)).records
             for p in (["fp32", "bf16"] + (["fp16"] if precision.fp16_supported("cpu") else []))}
     ref = runs["fp32"].set_index("step")["loss"]
     for p, rec in runs.items():
-        # bf16 keeps 8 bits of mantissa: a relative rounding of 2^-8 = 0.4 % per operation
-        assert (rec.set_index("step")["loss"] - ref).abs().max() < 0.02 * ref.abs().max(), p
+        # bf16 keeps 8 bits of mantissa: a relative rounding of 2^-8 = 0.4 % per operation;
+        # training then amplifies the difference step by step (notebook 05 explains the 3 %)
+        assert (rec.set_index("step")["loss"] - ref).abs().max() < 0.03 * ref.abs().max(), p
     assert (runs["bf16"]["mem_activations_bytes"] < runs["fp32"]["mem_activations_bytes"]).all()
     assert (runs["bf16"]["mem_params_bytes"] == runs["fp32"]["mem_params_bytes"]).all()
     if "fp16" in runs:
