@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import math
 
-import pandas as pd
 import pytest
 import torch
 from torch import nn

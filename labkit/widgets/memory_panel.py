@@ -7,6 +7,7 @@ import threading
 
 import ipywidgets as W
 import pandas as pd
+import psutil
 
 from .. import experiment
 from ..config import RunConfig
@@ -79,6 +80,12 @@ class MemoryPanel(BackgroundRun):
         self.chart.outputs = (mime_output(charts.calculated(
             calc, f"Calculated: {self.label(cfg)}")),)
         mib = calc[list(CATEGORIES)].sum(axis=1).max() / 2**20
+        free = psutil.virtual_memory().available / 2**20
+        if 4 * mib * cfg.ranks > free:          # tensors are a fraction of a rank's footprint
+            raise ValueError(f"{self.label(cfg)}: {mib:,.0f} MiB per rank (calculated) on "
+                             f"{cfg.ranks} rank(s) would not fit safely in this machine's "
+                             f"{free:,.0f} MiB of free memory: the bar shows the calculation; "
+                             f"lower width, depth or batch to measure it")
         return (f"{self.label(cfg)}: {mib:.2f} MiB per rank (calculated); Run measures it on "
                 f"{cfg.ranks} rank(s)")
 
