@@ -10,8 +10,9 @@ with:
 * ``activations``: what autograd saved for backward during one micro-batch's forward (seen
   through ``torch.autograd.graph.saved_tensors_hooks``), still alive when forward ends,
   excluding parameters and the input batch. The largest over a step's micro-batches;
-* ``rest``: the batch itself, and parameter *copies* autograd saved: autocast's bf16/fp16 casts
-  of the weights, and FSDP's gathered (unsharded) parameters still alive when forward ends.
+* ``rest``: the batch itself, parameter *copies* autograd saved (autocast's bf16/fp16 casts
+  of the weights, FSDP's gathered parameters still alive when forward ends), and the model's
+  buffers (BatchNorm's running statistics).
 
 Counting is by storage: every tensor is resolved to its ``untyped_storage()`` (views of one
 buffer count once), DTensors to their local shard, and a storage is weighed by ``nbytes()``
@@ -86,6 +87,7 @@ class MemoryMeter:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         self.values = dict.fromkeys(CATEGORIES, 0)
+        self.buffers = 0
 
     def _param_storages(self) -> dict[int, torch.UntypedStorage]:
         return storages(self.model.parameters())
@@ -119,9 +121,11 @@ class MemoryMeter:
     def step(self) -> None:
         self.values["params"] = sum(s.nbytes() for s in self._param_storages().values())
         self.values["optimizer"] = storage_bytes(optimizer_tensors(self.optimizer))
+        self.buffers = storage_bytes(self.model.buffers())
 
     def columns(self) -> dict:
         out = {f"mem_{c}_bytes": int(b) for c, b in self.values.items()}
+        out["mem_rest_bytes"] += self.buffers
         self.values["activations"] = self.values["rest"] = 0      # per step
         return out
 

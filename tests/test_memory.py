@@ -48,6 +48,9 @@ def test_categories_of_a_model_of_known_size_are_exact():
     # first Linear saves the batch itself, which is "rest" with the targets
     assert cols["mem_activations_bytes"] == 5 * 16 * 4 + 5 * 4 * 4 + 4
     assert cols["mem_rest_bytes"] == 5 * 8 * 4 + 5 * 8
+    bn = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    cols_bn = _one_step(bn, x, y, torch.optim.SGD(bn.parameters(), lr=0.1))
+    assert cols_bn["mem_rest_bytes"] == 5 * 8 * 4 + 5 * 8 + 2 * 16 * 4 + 8   # + running stats
     adam = torch.optim.Adam(model.parameters())
     cols = _one_step(model, x, y, adam)
     assert cols["mem_optimizer_bytes"] == 8 * n + 4 * 4      # two moments + a step per tensor

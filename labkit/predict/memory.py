@@ -158,6 +158,7 @@ def calculate(model: nn.Module, *, input_shape: tuple, classes: int, global_batc
     steps = _adam_steps(shapes, strategy, world_size) if optimizer == "adam" else [0] * world_size
     batch = micro * (math.prod(input_shape) * 4 + 8)            # float inputs, int64 targets
     copies = acts["weight_copies"] if recipe == "autocast" else 0
+    copies += sum(b.numel() * b.element_size() for b in model.buffers())    # never sharded
     rows = [{"rank": r, "params": state_n[r] * p_b, "grads": state_n[r] * g_b,
              "optimizer": opt_n[r] * k_b + 4 * steps[r], "activations": acts["activations"],
              "rest": batch + copies} for r in range(world_size)]

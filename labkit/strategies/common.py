@@ -24,7 +24,7 @@ from ..precision import Amp
 from ..probes import StepProbe, sync
 from ..uneven import join_context
 
-DATA_PARALLEL = ("ddp", "ddp_naive")        # strategies that may synchronise batch statistics
+DATA_PARALLEL = ("ddp", "ddp_naive", "zero1", "fsdp")  # may synchronise batch statistics
 
 
 def set_check_mode(cfg: RunConfig) -> None:
