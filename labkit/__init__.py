@@ -18,11 +18,14 @@ __version__ = "0.1.0"
 
 # pandas/plotly-backed parts load on first use, so rank processes (which import labkit) stay lean.
 _LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment",
-         "check": "experiment", "grid": "experiment", "run_panel": "widgets",
-         "pipeline_panel": "widgets", "comm_panel": "widgets", "balance_panel": "widgets",
-         "elastic_panel": "widgets", "sched_panel": "widgets"}
+         "check": "experiment", "grid": "experiment",
+         # one panel per lab
+         "run_panel": "widgets", "pipeline_panel": "widgets", "comm_panel": "widgets",
+         "balance_panel": "widgets", "memory_panel": "widgets", "elastic_panel": "widgets",
+         "sched_panel": "widgets"}
 _SUBMODULES = ("experiment", "report", "plots", "timeline", "predict", "equivalence", "widgets",
-               "comm", "profile", "balance", "uneven", "sharding", "checkpoint", "elastic", "sched")
+               "comm", "profile", "balance", "uneven", "sharding", "memory", "precision",
+               "checkpoint", "elastic", "sched")
 
 
 def __getattr__(name):

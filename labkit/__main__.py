@@ -55,6 +55,10 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="resume from the checkpoint in this folder, and write one there")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="optimizer steps between checkpoints (0: after the last step only)")
+    # memory and mixed precision (notebook 05)
+    g.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast)")
+    g.add_argument("--checkpoint", action="store_true",
+                   help="activation checkpointing per block (recompute in backward)")
 
 
 # RunConfig field -> the flag that sets it, so a config error can name what to type instead
@@ -66,7 +70,8 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "bucket_cap_mb": "--bucket-cap-mb", "accumulate": "--accumulate",
          "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
          "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every",
-         "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every"}
+         "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
+         "precision": "--precision", "checkpoint": "--checkpoint"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -81,7 +86,8 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   bucket_cap_mb=args.bucket_cap_mb, accumulate=args.accumulate,
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
                   powersgd_rank=args.powersgd_rank,
-                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                  precision=args.precision, checkpoint=args.checkpoint)
     fields.update(override)
     try:
         return RunConfig(**fields)
@@ -437,6 +443,28 @@ def add_schedule_parser(sub) -> None:
                         "compare with the simulator fed with measured curves")
     p.add_argument("--json", help="write the metrics here")
     p.set_defaults(func=cmd_schedule)
+def cmd_memory(args) -> int:
+    """Bytes per rank by category for each strategy, counted, and the calculator's error."""
+    from .memory import measure, memory_table
+    base = config_from_args(args, strategy="ddp", world_size=2)
+    sizes = _csv(args.world_sizes, int, "--world-sizes")
+    records, errors = measure(base, _csv(args.strategies, flag="--strategies"), sizes,
+                              args.optimizer)
+    with pd_options():
+        print(memory_table(records).round(4).to_string(index=False))
+        print("MiB per rank: counted from live tensor storage; high_water: the process's peak "
+              "(RSS on CPU: interpreter, libraries and caches too)\n")
+        worst = errors.assign(abs_error=errors["error"].abs()).groupby(["run", "category"],
+                                                                        sort=False)
+        print(worst["abs_error"].max().unstack().round(4).to_string())
+        print("calculator error per category (largest over ranks, |calculated - counted| / "
+              "counted)")
+    return 0
+
+
+def pd_options():
+    import pandas as pd
+    return pd.option_context("display.width", 200, "display.max_columns", 30)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -471,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the table, ceilings and fits here")
     p.add_argument("--html", help="write the bandwidth chart here")
     p.set_defaults(func=cmd_comm)
+
+    p = sub.add_parser("memory", help="memory per rank by category, counted and calculated")
+    p.add_argument("--strategies", default="ddp,zero1,fsdp")
+    p.add_argument("--world-sizes", default="2")
+    p.add_argument("--optimizer", default="sgd_momentum", help="sgd_momentum or adam")
+    add_config_args(p)
+    p.set_defaults(func=cmd_memory, steps=3, warmup=1)
 
     p = sub.add_parser("demo", help="environment report, strategy comparison and check")
     p.add_argument("--strategies", default=DP_STRATEGIES)

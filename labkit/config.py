@@ -14,6 +14,8 @@ STRATEGY_RANKS = {
     "model_parallel": "world",
     "pipeline_gpipe": "world",
     "pipeline_1f1b": "world",
+    "zero1": "world",
+    "fsdp": "world",
 }
 PIPELINE_STRATEGIES = ("model_parallel", "pipeline_gpipe", "pipeline_1f1b")
 MODELS = ("mlp", "cnn", "unbalanced_mlp")
@@ -73,6 +75,11 @@ class RunConfig:
     # ---- elastic (labkit.checkpoint, labkit.elastic, notebook 07)
     checkpoint_dir: str | None = None  # resume from the checkpoint here, and write one to it
     checkpoint_every: int = 0    # optimizer steps between checkpoints (0: after the last step only)
+    # ---- memory and mixed precision (labkit.memory, labkit.precision, notebook 05): knobs of
+    # the shared loop (single, dp, ddp, ddp_naive, zero1, fsdp)
+    precision: str = "fp32"      # "bf16" / "fp16": torch.autocast (fp16 with a GradScaler)
+    checkpoint: bool = False     # ACTIVATION checkpointing (not saving runs): each block keeps
+                                 # only its input and recomputes the rest during backward
 
     def __post_init__(self) -> None:
         from .balance import parse_slowdown           # "1:2,0:1.5@10" or pairs -> triples
@@ -138,6 +145,7 @@ class RunConfig:
                 f"multiple of {self.ranks * self.accumulate}")
         self._check_balancing()
         self._check_elastic()
+        self._check_memory()
         if self.dataset_size < self.global_batch:
             raise ValueError(
                 f"dataset_size {self.dataset_size} is smaller than one global batch "
@@ -193,6 +201,25 @@ class RunConfig:
         if self.balancing:
             raise ValueError("checkpoint_dir does not save load-balancing state (shares, "
                              "slowdown): drop slowdown/skew/rebalance or set checkpoint_dir=None")
+
+    def _check_memory(self) -> None:
+        from .precision import PRECISIONS, fp16_supported
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
+        if (self.precision != "fp32" or self.checkpoint) and self.strategy in PIPELINE_STRATEGIES:
+            raise ValueError(f"precision and checkpoint are knobs of the data-parallel loop "
+                             f"(single, dp, ddp, ddp_naive, zero1, fsdp), not of {self.strategy}: "
+                             f"set precision='fp32' and checkpoint=False")
+        if self.precision == "fp16":
+            from .env import resolve_device
+            kind = resolve_device(self.device, self.ranks)
+            if not fp16_supported(kind):
+                raise ValueError(f"fp16 autocast with a GradScaler is not supported on {kind} by "
+                                 f"this torch: use precision='bf16' (same speed-up, no scaler)")
+            if self.strategy == "fsdp":
+                raise ValueError("fp16 with fsdp needs a GradScaler that agrees across shards, "
+                                 "which labkit does not build: use precision='bf16' (no scaler)")
 
     @property
     def balancing(self) -> bool:

@@ -241,21 +241,24 @@ BUSY_SHARE = 0.6
 def run_label(strategy: str, world_size: int, threads, variant: str = "") -> str:
     """How a run is named in tables and charts: ``ddp@2``; single says its thread count; a
     load-balancing run its policy and heterogeneity (``ddp_naive@2 dynamic, slow 1:2``)."""
+    tail = f" {variant}" if isinstance(variant, str) and variant else ""
     if strategy == "single":
-        return f"single ({int(threads)} thread{'s' if threads != 1 else ''})"
-    return f"{strategy}@{world_size}" + (f" {variant}" if isinstance(variant, str) and variant
-                                          else "")
+        return f"single ({int(threads)} thread{'s' if threads != 1 else ''})" + tail
+    return f"{strategy}@{world_size}" + tail
 
 
 def variant(cfg: RunConfig) -> str:
     """What tells two runs of one strategy and world size apart in a lab: the load-balancing
-    policy and the injected heterogeneity; "" for a plain run."""
-    if not cfg.balancing:
-        return ""
-    from .balance import format_slowdown
-    return ", ".join([cfg.rebalance] + ([f"slow {format_slowdown(cfg.slowdown)}"]
-                                        if cfg.slowdown else [])
-                     + ([f"skew {cfg.skew:g}"] if cfg.skew else []))
+    policy and the injected heterogeneity, reduced precision, activation checkpointing; ""
+    for a plain run."""
+    parts = []
+    if cfg.balancing:
+        from .balance import format_slowdown
+        parts += ([cfg.rebalance] + ([f"slow {format_slowdown(cfg.slowdown)}"] if cfg.slowdown
+                                     else []) + ([f"skew {cfg.skew:g}"] if cfg.skew else []))
+    parts += [cfg.precision] if cfg.precision != "fp32" else []     # labkit.memory
+    parts += ["checkpointed"] if cfg.checkpoint else []
+    return ", ".join(parts)
 
 
 def config_label(cfg: RunConfig) -> str:

@@ -91,3 +91,15 @@ def test_load_balance_quick(tmp_path):
     out = json.loads((tmp_path / "lb.json").read_text())
     assert [r["policy"] for r in out["rows"]] == ["static", "join", "dynamic"]
     assert all(0 < r["fraction"] <= 1.2 for r in out["rows"])
+
+
+@pytest.mark.slow
+def test_memory_precision_quick(tmp_path):
+    lines = run_bench("memory_precision.py", tmp_path / "mem.json")
+    for what in ("bf16/fp32 activation bytes ratio", "checkpointed/plain cnn activation bytes ratio",
+                 "checkpointed/plain cnn backward time ratio"):
+        assert any(re.match(rf"{re.escape(what)}: {NUMBER}", l) for l in lines), lines
+    assert re.fullmatch(rf"bf16/fp32 step-time ratio: {NUMBER}", lines[-1]), lines[-1]
+    out = json.loads((tmp_path / "mem.json").read_text())
+    assert out["precision"]["activation_ratio"] < 0.75          # counted bytes, not timings
+    assert out["checkpoint"]["activation_ratio"] < 0.5

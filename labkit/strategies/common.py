@@ -20,10 +20,12 @@ from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
+from ..memory import MemoryMeter, checkpoint_blocks
+from ..precision import Amp
 from ..probes import StepProbe, sync
 from ..uneven import join_context
 
-DATA_PARALLEL = ("ddp", "ddp_naive")        # strategies that may synchronise batch statistics
+DATA_PARALLEL = ("ddp", "ddp_naive", "zero1", "fsdp")  # may synchronise batch statistics
 
 
 def set_check_mode(cfg: RunConfig) -> None:
@@ -44,6 +46,8 @@ def build_model(cfg: RunConfig, ctx: RankContext, fns: Factories) -> nn.Module:
     if cfg.sync_batchnorm and cfg.strategy in DATA_PARALLEL and ctx.world_size > 1:
         from ..syncbn import convert_sync_batchnorm
         model = convert_sync_batchnorm(model, ctx.device.type)
+    if cfg.checkpoint:                       # activation checkpointing, per block
+        model = checkpoint_blocks(model)
     return model.to(ctx.device)
 
 
@@ -75,7 +79,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                calibrate: Callable[[nn.Module], float] | None = None,
                comm_bytes: int | Callable[[], int] = 0,
                comm_total: Callable[[], float] | None = None, unwrapped: nn.Module | None = None,
-               notes: list[str] | None = None, balancer: "Balancer | None" = None) -> dict:
+               notes: list[str] | None = None, balancer: "Balancer | None" = None,
+               make_optimizer: Callable | None = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
@@ -94,13 +99,18 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     phase), share updates, and under join the steps this rank's data lasts.
     ``cfg.checkpoint_dir`` (``labkit.checkpoint.Resume``): continue from its checkpoint, write
     one every ``cfg.checkpoint_every`` steps, and a timeline row per step.
+    ``make_optimizer(params)``: the optimizer instead of the user's (ZeRO-1 wraps it).
+    Memory and precision (``labkit.memory``, ``labkit.precision``): forward runs under
+    ``cfg.precision``'s autocast, and every record carries the bytes of each memory category.
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
-    optimizer = fns.optimizer(cfg, model.parameters())
+    optimizer = (make_optimizer or (lambda ps: fns.optimizer(cfg, ps)))(model.parameters())
+    amp, meter = Amp(cfg.precision, ctx.device), MemoryMeter(model, optimizer)
     seed_rank_streams(cfg, ctx)
     probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
                       device=str(ctx.device), global_batch=cfg.global_batch,
-                      accumulate=cfg.accumulate)
+                      accumulate=cfg.accumulate, precision=cfg.precision,
+                      checkpoint=cfg.checkpoint)
     k = cfg.accumulate
     syncs = k if cfg.sync_every_microstep else 1          # synchronisations per optimizer step
     bal = balancer
@@ -114,7 +124,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     with join_context(bal):
         for i in range(start, total):
             if i == max(cfg.warmup, start) and calibrate is not None:
-                comm_baseline_s = k * calibrate(loss_fn)
+                with amp.autocast():
+                    comm_baseline_s = k * calibrate(loss_fn)
             probe.start()
             extra, losses, samples = {}, [], 0
             if bal is not None:
@@ -128,12 +139,13 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 t_compute = time.perf_counter()
                 plain = sync_now or not hasattr(model, "no_sync")
                 with nullcontext() if plain else model.no_sync():
-                    loss = loss_fn(model(x), y)
+                    with meter.forward(x, y), amp.autocast():
+                        loss = loss_fn(model(x), y)
                     probe.mark("forward")
                     scaled = loss / k if k > 1 else loss
                     if bal is not None and bal.slices:    # weighted by this rank's share
                         scaled = scaled * bal.loss_scale
-                    scaled.backward()
+                    amp.backward(scaled)
                     if bal is not None:       # a slower device: sleep, leave the core to others
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
                     probe.mark("backward")
@@ -145,9 +157,11 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 probe.mark("comm")
                 losses.append(loss.detach() * len(x))
                 samples += len(x)
-            optimizer.step()
+            meter.grads()
+            extra.update(amp.step(optimizer))
             optimizer.zero_grad(set_to_none=True)
             probe.mark("optimizer")
+            meter.step()                     # counted outside the timed phases
             sent = comm_bytes() if callable(comm_bytes) else syncs * comm_bytes
             shard_loss = (torch.stack(losses).sum() / samples).item()
             if bal is not None:
@@ -155,6 +169,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
             rec = probe.finish(i - cfg.warmup, shard_loss, samples,
                                comm_baseline_s=comm_baseline_s, comm_bytes=sent, **extra)
             rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
+            rec.update(meter.columns())
             if bal is not None:
                 bal.end_step(i - cfg.warmup)
             if resume is not None:

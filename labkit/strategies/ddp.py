@@ -24,7 +24,10 @@ from .common import backward_time_without_comm, build_model, data_iter, train_lo
 MIB = 2 ** 20
 
 
-def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
+def run(cfg: RunConfig, ctx: RankContext, fns: Factories, *, strategy: str = "ddp",
+        make_optimizer: Callable | None = None) -> dict:
+    """``make_optimizer``: ZeRO-1 (``zero1.py``) is this strategy with a partitioned optimizer,
+    which also broadcasts every parameter after its step."""
     model = build_model(cfg, ctx, fns)
     notes: list[str] = []
     nbytes = grad_bytes(model)
@@ -32,14 +35,17 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                     **({} if cap is None else {"bucket_cap_mb": cap}))
     comm_bytes, comm_total = register_hook(ddp_model, cfg, nbytes, notes)
+    if make_optimizer is not None:
+        comm_bytes += nbytes
     data, loader = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                              batch_size=cfg.batch_per_rank)
 
     def calibrate(loss_fn) -> float:       # a side batch: the training order stays untouched
         return backward_time_without_comm(ddp_model, loss_fn, next(iter(loader)), ctx.device)
 
-    return train_loop(cfg, ctx, ddp_model, data, strategy="ddp", fns=fns, calibrate=calibrate,
-                      comm_bytes=comm_bytes, comm_total=comm_total, unwrapped=model, notes=notes)
+    return train_loop(cfg, ctx, ddp_model, data, strategy=strategy, fns=fns, calibrate=calibrate,
+                      comm_bytes=comm_bytes, comm_total=comm_total, unwrapped=model, notes=notes,
+                      make_optimizer=make_optimizer)
 
 
 def powersgd_bucket_cap(cfg: RunConfig, backend: str | None, nbytes: int,

@@ -2,13 +2,14 @@
 module per lab's panel."""
 from .balance_panel import BalancePanel, balance_panel
 from .base import BackgroundRun, mime_output
-from .elastic_panel import ElasticPanel, elastic_panel
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
+from .elastic_panel import ElasticPanel, elastic_panel
+from .memory_panel import MemoryPanel, memory_panel
 from .pipeline_panel import PipelinePanel, last_step_events, pipeline_panel
 from .run_panel import RunPanel, run_panel, world_sizes_upto
 from .sched_panel import SchedPanel, sched_panel
 
 __all__ = ["BackgroundRun", "mime_output", "RunPanel", "run_panel", "world_sizes_upto",
-           "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel", "comm_panel",
-           "BalancePanel", "balance_panel", "ElasticPanel", "elastic_panel", "SchedPanel",
-           "sched_panel"]
+           "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel",
+           "comm_panel", "BalancePanel", "balance_panel", "MemoryPanel", "memory_panel",
+           "ElasticPanel", "elastic_panel", "SchedPanel", "sched_panel"]
