@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..balance import Balancer
+from ..balance import Balancer, straggle
 from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
@@ -74,7 +74,9 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                calibrate: Callable[[nn.Module], float] | None = None,
                comm_bytes: int | Callable[[], int] = 0,
                comm_total: Callable[[], float] | None = None, unwrapped: nn.Module | None = None,
-               notes: list[str] | None = None, balancer: "Balancer | None" = None) -> dict:
+               notes: list[str] | None = None, balancer: "Balancer | None" = None,
+               optimizer: torch.optim.Optimizer | None = None,
+               after_step: Callable[[int], dict] | None = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
@@ -90,10 +92,14 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     ``unwrapped``: the plain model inside a wrapper (its state names are the ones ``single`` has).
     ``balancer`` (``labkit.balance``, ddp_naive): this rank's slice of each global batch and its
     loss weight, the injected slowdown, the timed arrival before the all-reduce (``wait``
-    phase), share updates, and under join the steps this rank's data lasts.
+    phase), share updates, and under join the steps this rank's data lasts. Without a balancer,
+    ``cfg.slowdown`` still makes a rank a straggler (the sync/async lab's modes).
+    ``optimizer``: instead of ``fns.optimizer`` (DiLoCo's inner AdamW). ``after_step(i)`` runs
+    after each optimizer step, before ``zero_grad`` (local SGD's and DiLoCo's averaging rounds), timed as ``comm``,
+    and returns extra record columns.
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
-    optimizer = fns.optimizer(cfg, model.parameters())
+    optimizer = optimizer or fns.optimizer(cfg, model.parameters())
     seed_rank_streams(cfg, ctx)
     probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
                       device=str(ctx.device), global_batch=cfg.global_batch,
@@ -129,6 +135,9 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                     scaled.backward()
                     if bal is not None:       # a slower device: sleep, leave the core to others
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
+                    elif cfg.slowdown:
+                        extra["slowdown"] = straggle(cfg.slowdown, ctx.rank, i - cfg.warmup,
+                                                     t_compute)
                     probe.mark("backward")
                 if bal is not None and sync_now:
                     bal.arrive(samples + len(x))
@@ -139,6 +148,10 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 losses.append(loss.detach() * len(x))
                 samples += len(x)
             optimizer.step()
+            if after_step is not None:    # before zero_grad: torch's averager skips grad-less
+                probe.mark("optimizer")   # parameters
+                extra.update(after_step(i))
+                probe.mark("comm")
             optimizer.zero_grad(set_to_none=True)
             probe.mark("optimizer")
             sent = comm_bytes() if callable(comm_bytes) else syncs * comm_bytes
