@@ -50,6 +50,16 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="with --accumulate: all-reduce after every micro-batch (not no_sync)")
     g.add_argument("--comm-hook", default=d.comm_hook, help="ddp: none, fp16, bf16 or powersgd")
     g.add_argument("--powersgd-rank", type=int, default=d.powersgd_rank)
+    # the sync/async lab (notebook 06): local_sgd, diloco, async_ps, hogwild
+    g.add_argument("--period", type=int, default=d.period,
+                   help="local_sgd / diloco: local steps H between averaging rounds")
+    g.add_argument("--inner-lr", type=float, default=d.inner_lr, help="diloco: inner AdamW lr")
+    g.add_argument("--outer-lr", type=float, default=d.outer_lr,
+                   help="diloco: outer Nesterov SGD lr on the averaged parameter delta")
+    g.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
+                   help="diloco: outer Nesterov momentum")
+    g.add_argument("--staleness-lr", action="store_true",
+                   help="async_ps: an update s versions stale uses lr / max(1, s)")
 
 
 # RunConfig field -> the flag that sets it, so a config error can name what to type instead
@@ -60,7 +70,9 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "pipeline_impl": "--pipeline-impl", "timeout_s": "--timeout", "world_size": "--world-size",
          "bucket_cap_mb": "--bucket-cap-mb", "accumulate": "--accumulate",
          "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
-         "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every"}
+         "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every",
+         "period": "--period", "inner_lr": "--inner-lr", "outer_lr": "--outer-lr",
+         "outer_momentum": "--outer-momentum", "staleness_lr": "--staleness-lr"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -74,7 +86,9 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   timeout_s=args.timeout,
                   bucket_cap_mb=args.bucket_cap_mb, accumulate=args.accumulate,
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
-                  powersgd_rank=args.powersgd_rank)
+                  powersgd_rank=args.powersgd_rank,
+                  period=args.period, inner_lr=args.inner_lr, outer_lr=args.outer_lr,
+                  outer_momentum=args.outer_momentum, staleness_lr=args.staleness_lr)
     fields.update(override)
     try:
         return RunConfig(**fields)
@@ -158,6 +172,11 @@ def _report(args, base: RunConfig, records) -> int:
             print(f"note ({key}): {note}")
     from .report import explain
     print("\n== what the table says\n" + explain(table))
+    if records["strategy"].isin(("local_sgd", "diloco", "async_ps", "hogwild")).any():
+        from .sync_async import default_target, people_table, to_target
+        target = default_target(records)
+        print(f"\n== to a loss of {target:.3f} (smoothed over 4 global batches; labkit.sync_async)")
+        print(people_table(to_target(records, target)).to_string(index=False))
     if args.json:
         experiment.save_records(records, args.json, config=base.to_dict(),
                                 summary=json.loads(table.to_json(orient="records")))

@@ -88,12 +88,12 @@ def slowdown_at(slowdown, rank: int, step: int) -> float:
     return 1.0
 
 
-def straggle(slowdown, rank: int, step: int, since: float) -> float:
+def straggle(slowdown, rank: int, step: int, since: float, clock=time.perf_counter) -> float:
     """Make ``rank`` a straggler at ``step``: sleep (factor - 1) x the compute done since
-    ``since`` (a perf_counter reading); return the factor."""
+    ``since`` (a reading of ``clock``); return the factor."""
     factor = slowdown_at(slowdown, rank, step)
     if factor > 1:
-        time.sleep((factor - 1) * (time.perf_counter() - since))
+        time.sleep((factor - 1) * (clock() - since))
     return factor
 
 

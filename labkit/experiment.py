@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
-from .config import PIPELINE_STRATEGIES, STRATEGY_RANKS, RunConfig
+from .config import PIPELINE_STRATEGIES, STRATEGY_RANKS, SYNC_ASYNC, RunConfig
 from .env import cpu_cores, oversubscription, resolve_device
 from .factories import Factories, validate
 from .launch import launch
@@ -249,12 +249,16 @@ def run_label(strategy: str, world_size: int, threads, variant: str = "") -> str
 
 def variant(cfg: RunConfig) -> str:
     """What tells two runs of one strategy and world size apart in a lab: the load-balancing
-    policy and the injected heterogeneity; "" for a plain run."""
-    if not cfg.balancing:
-        return ""
+    policy and the injected heterogeneity; the sync/async lab's period H and staleness-aware lr;
+    "" for a plain run."""
     from .balance import format_slowdown
-    return ", ".join([cfg.rebalance] + ([f"slow {format_slowdown(cfg.slowdown)}"]
-                                        if cfg.slowdown else [])
+    lab = ([f"H={cfg.period}"] if cfg.strategy in ("local_sgd", "diloco") else []) + \
+        (["staleness lr"] if cfg.strategy == "async_ps" and cfg.staleness_lr else [])
+    if not cfg.balancing:
+        return ", ".join(lab)
+    policy = [] if cfg.strategy in SYNC_ASYNC else [cfg.rebalance]   # a straggler, no policy
+    return ", ".join(lab + policy + ([f"slow {format_slowdown(cfg.slowdown)}"]
+                                     if cfg.slowdown else [])
                      + ([f"skew {cfg.skew:g}"] if cfg.skew else []))
 
 

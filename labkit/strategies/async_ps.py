@@ -15,7 +15,9 @@ test drives on a scripted schedule without processes; ``serve`` and ``work`` wra
 Protocol (one float32 message each way; never a hang):
   server -> every worker: parameters + version (the first pull);
   worker -> server: [PUSH, version, loss, samples] + gradient; server -> worker: parameters +
-  version;  ... ; worker -> server: [DONE, ...] after its last step.
+  version;  ... ; once the server has applied workers x steps updates (plus warm-up) it
+  answers a push with version -1 instead (not applied), and the worker stops;
+  worker -> server: [DONE, ...] after its last step (also when it failed).
 The server stops when every worker said DONE. Every receive is bounded by the process group's
 timeout (``cfg.timeout_s``), and the launcher stops every rank on any failure.
 """
@@ -118,6 +120,9 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         answer(w)
     inbox = torch.empty(n + HEADER)
     warmup_updates = workers * cfg.warmup
+    # the run ends after workers x steps applied updates (plus warm-up), whoever made them
+    budget = workers * (cfg.warmup + cfg.steps)
+    stop = torch.full((n + 1,), -1.0)
     progress = Progress(ctx, workers * cfg.steps)
     records, done, last = [], 0, time.perf_counter()
     while done < workers:
@@ -126,6 +131,9 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         kind, version, loss, samples = inbox[:HEADER].tolist()
         if kind == DONE:
             done += 1
+            continue
+        if server.version >= budget:       # the run has its updates: this one is not applied
+            dist.send(stop, dst=src)
             continue
         stale = server.push(src, inbox[HEADER:], int(version))
         t2 = time.perf_counter()
@@ -176,6 +184,9 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
         for p in params:                   # the server applied it: no local optimizer step
             p.grad = None
         dist.recv(reply, src=0)
+        if reply[n] < 0:                   # the server has its updates: stop after this step
+            version[0] = -1
+            return
         load_flat(model, reply[:n])
         version[0] = int(reply[n])
 
@@ -190,7 +201,8 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
     tapped = dataclasses.replace(fns, loss_fn=lambda cfg: LossTap())
     try:
         out = train_loop(cfg, ctx, model, data, strategy="async_ps", fns=tapped,
-                         sync_grads=exchange, comm_bytes=4 * (n + HEADER))
+                         sync_grads=exchange, comm_bytes=4 * (n + HEADER),
+                         until=lambda: version[0] < 0)
     finally:
         outbox.zero_()
         outbox[0] = DONE

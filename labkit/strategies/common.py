@@ -19,7 +19,7 @@ from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
-from ..probes import StepProbe, sync
+from ..probes import StepProbe, cpu_seconds, sync
 from ..uneven import join_context
 
 DATA_PARALLEL = ("ddp", "ddp_naive")        # strategies that may synchronise batch statistics
@@ -76,7 +76,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                comm_total: Callable[[], float] | None = None, unwrapped: nn.Module | None = None,
                notes: list[str] | None = None, balancer: "Balancer | None" = None,
                optimizer: torch.optim.Optimizer | None = None,
-               after_step: Callable[[int], dict] | None = None) -> dict:
+               after_step: Callable[[int], dict] | None = None,
+               until: Callable[[], bool] | None = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
@@ -96,7 +97,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     ``cfg.slowdown`` still makes a rank a straggler (the sync/async lab's modes).
     ``optimizer``: instead of ``fns.optimizer`` (DiLoCo's inner AdamW). ``after_step(i)`` runs
     after each optimizer step, before ``zero_grad`` (local SGD's and DiLoCo's averaging rounds), timed as ``comm``,
-    and returns extra record columns.
+    and returns extra record columns. ``until()``: checked before each measured step, True ends
+    the run early (the async modes stop when the shared model has had its updates).
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
     optimizer = optimizer or fns.optimizer(cfg, model.parameters())
@@ -112,6 +114,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     progress = Progress(ctx, total - cfg.warmup)  # measured steps only
     with join_context(bal):
         for i in range(total):
+            if until is not None and i >= cfg.warmup and until():
+                break
             if i == cfg.warmup and calibrate is not None:
                 comm_baseline_s = k * calibrate(loss_fn)
             probe.start()
@@ -125,6 +129,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 probe.mark("data")
                 t_compute = time.perf_counter()
+                cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
+                c_compute = cpu() if cpu is not None else 0.0
                 plain = sync_now or not hasattr(model, "no_sync")
                 with nullcontext() if plain else model.no_sync():
                     loss = loss_fn(model(x), y)
@@ -135,9 +141,9 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                     scaled.backward()
                     if bal is not None:       # a slower device: sleep, leave the core to others
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
-                    elif cfg.slowdown:
+                    elif cpu is not None:     # CPU time: DDP's backward also waits in all-reduces
                         extra["slowdown"] = straggle(cfg.slowdown, ctx.rank, i - cfg.warmup,
-                                                     t_compute)
+                                                     c_compute, clock=cpu)
                     probe.mark("backward")
                 if bal is not None and sync_now:
                     bal.arrive(samples + len(x))

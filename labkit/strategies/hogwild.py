@@ -79,8 +79,11 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         stale, seen[0] = others - seen[0], others
         return {"staleness": int(stale), "updates": int(float(counts.sum()))}
 
+    # the run ends when the shared model has had world_size x steps updates (plus warm-up),
+    # whoever made them: a fast rank makes more of them than a straggler
+    budget = ctx.world_size * (cfg.warmup + cfg.steps)
     out = train_loop(cfg, ctx, model, data, strategy="hogwild", fns=fns, after_step=after_step,
-                     unwrapped=model)
+                     unwrapped=model, until=lambda: float(counts.sum()) >= budget)
     dist.barrier()                         # every update has landed: all ranks read one model
     out["shared_updates"] = int(float(counts.sum()))
     from .common import final_state
