@@ -19,9 +19,10 @@ __version__ = "0.1.0"
 # pandas/plotly-backed parts load on first use, so rank processes (which import labkit) stay lean.
 _LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment",
          "check": "experiment", "grid": "experiment", "run_panel": "widgets",
-         "pipeline_panel": "widgets", "comm_panel": "widgets", "balance_panel": "widgets"}
+         "pipeline_panel": "widgets", "comm_panel": "widgets", "balance_panel": "widgets",
+         "sync_panel": "widgets"}
 _SUBMODULES = ("experiment", "report", "plots", "timeline", "predict", "equivalence", "widgets",
-               "comm", "profile", "balance", "uneven", "sharding")
+               "comm", "profile", "balance", "uneven", "sharding", "sync_async")
 
 
 def __getattr__(name):

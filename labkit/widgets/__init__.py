@@ -5,7 +5,8 @@ from .base import BackgroundRun, mime_output
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
 from .pipeline_panel import PipelinePanel, last_step_events, pipeline_panel
 from .run_panel import RunPanel, run_panel, world_sizes_upto
+from .sync_panel import SyncPanel, sync_panel
 
 __all__ = ["BackgroundRun", "mime_output", "RunPanel", "run_panel", "world_sizes_upto",
            "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel", "comm_panel",
-           "BalancePanel", "balance_panel"]
+           "BalancePanel", "balance_panel", "SyncPanel", "sync_panel"]
