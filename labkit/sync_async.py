@@ -133,11 +133,15 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
 
 def default_target(records: pd.DataFrame, fraction: float = 0.6,
                    window: int | None = None) -> float:
-    """A target every run of a comparison can be read against: ``fraction`` of the way from the
-    first smoothed loss down to the highest final smoothed loss of any run."""
+    """A target to read every run against: ``fraction`` of the way from the first smoothed loss
+    down to the final smoothed loss of the synchronous reference (the first ddp run without a
+    straggler, else the first run). Modes that never get there say so (NaN)."""
     curves = updates(records, window)
-    start = float(curves.groupby("run")["loss_smooth"].first().max())
-    end = float(curves.groupby("run")["loss_smooth"].last().max())
+    start = float(curves.groupby("run", sort=False)["loss_smooth"].first().max())
+    finals = curves.groupby("run", sort=False).agg(strategy=("strategy", "first"),
+                                                   final=("loss_smooth", "last"))
+    ref = finals[(finals["strategy"] == "ddp") & ~finals.index.str.contains("slow")]
+    end = float((ref if len(ref) else finals)["final"].iloc[0])
     return start - fraction * (start - end)
 
 

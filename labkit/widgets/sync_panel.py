@@ -49,7 +49,7 @@ class SyncPanel(BackgroundRun):
 
     def execute(self, cancel: threading.Event) -> pd.DataFrame:
         configs = self.configs()
-        labels = [experiment.config_label(c) for c in configs]
+        labels = self._labels = [experiment.config_label(c) for c in configs]
         self._bars = dict(zip(labels, self.progress_bars(labels, self.steps.value)))
         experiment.compare(configs, on_progress=self._progress, cancel=cancel,
                            on_result=lambda res: self.finished.append(res.records),
@@ -87,7 +87,7 @@ class SyncPanel(BackgroundRun):
         fastest = table.dropna(subset=["seconds_to_target"])
         best = (f"; fastest to {target:.3f}: {fastest.loc[fastest['seconds_to_target'].idxmin(), 'run']}"
                 if len(fastest) else "")
-        return f"done: {len(table)} run(s) in the table{best}"
+        return f"done: {', '.join(self._labels)}; {len(table)} run(s) in the table{best}"
 
     def _progress(self, cfg: RunConfig, rank: int, metrics: dict) -> None:
         if rank != 0:                      # rank 0: steps, or the parameter server's updates
