@@ -184,7 +184,10 @@ def test_hogwild_updates_land_in_the_shared_model(no_leftover_ranks):
     res = experiment.run(cfg)
     a, b = (r["params"] for r in res.results)
     assert max_diff(a, b) == 0.0                            # one model, read by both ranks
-    assert all(r["shared_updates"] == 2 * 6 for r in res.results)
+    # the run ends at 2 x (1 + 5) updates; both ranks may pass the check at once: one over
+    updates = res.results[0]["shared_updates"]
+    assert 12 <= updates <= 13 and res.results[1]["shared_updates"] == updates
+    assert len(res.records) == updates - 2 * cfg.warmup     # every measured update, recorded
     alone = experiment.run(cfg.replace(strategy="single", world_size=1, global_batch=16))
     assert max_diff(a, alone.params) > 1e-4                 # the other rank's updates are in it
     assert res.records["staleness"].ge(0).all()

@@ -202,7 +202,8 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
     try:
         out = train_loop(cfg, ctx, model, data, strategy="async_ps", fns=tapped,
                          sync_grads=exchange, comm_bytes=4 * (n + HEADER),
-                         until=lambda: version[0] < 0)
+                         until=lambda: version[0] < 0,
+                         steps=workers * (cfg.warmup + cfg.steps) - cfg.warmup)
     finally:
         outbox.zero_()
         outbox[0] = DONE

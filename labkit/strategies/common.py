@@ -77,7 +77,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                notes: list[str] | None = None, balancer: "Balancer | None" = None,
                optimizer: torch.optim.Optimizer | None = None,
                after_step: Callable[[int], dict] | None = None,
-               until: Callable[[], bool] | None = None) -> dict:
+               until: Callable[[], bool] | None = None, steps: int | None = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
@@ -98,7 +98,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     ``optimizer``: instead of ``fns.optimizer`` (DiLoCo's inner AdamW). ``after_step(i)`` runs
     after each optimizer step, before ``zero_grad`` (local SGD's and DiLoCo's averaging rounds), timed as ``comm``,
     and returns extra record columns. ``until()``: checked before each measured step, True ends
-    the run early (the async modes stop when the shared model has had its updates).
+    the run early (the async modes stop when the shared model has had its updates); ``steps``:
+    this rank's most measured steps, if not ``cfg.steps`` (an async rank may make them all).
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
     optimizer = optimizer or fns.optimizer(cfg, model.parameters())
@@ -109,7 +110,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     k = cfg.accumulate
     syncs = k if cfg.sync_every_microstep else 1          # synchronisations per optimizer step
     bal = balancer
-    total = cfg.warmup + cfg.steps if bal is None else bal.steps(cfg.warmup + cfg.steps)
+    total = cfg.warmup + (steps or cfg.steps)
+    total = total if bal is None else bal.steps(total)
     comm_baseline_s, records = None, []
     progress = Progress(ctx, total - cfg.warmup)  # measured steps only
     with join_context(bal):

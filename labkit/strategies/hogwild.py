@@ -83,7 +83,8 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     # whoever made them: a fast rank makes more of them than a straggler
     budget = ctx.world_size * (cfg.warmup + cfg.steps)
     out = train_loop(cfg, ctx, model, data, strategy="hogwild", fns=fns, after_step=after_step,
-                     unwrapped=model, until=lambda: float(counts.sum()) >= budget)
+                     unwrapped=model, until=lambda: float(counts.sum()) >= budget,
+                     steps=budget - cfg.warmup)
     dist.barrier()                         # every update has landed: all ranks read one model
     out["shared_updates"] = int(float(counts.sum()))
     from .common import final_state

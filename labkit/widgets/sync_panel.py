@@ -93,8 +93,11 @@ class SyncPanel(BackgroundRun):
         if rank != 0:                      # rank 0: steps, or the parameter server's updates
             return
         bar, text = self._bars[experiment.config_label(cfg)]
-        bar.max, bar.value = metrics["total"], min(metrics["step"], metrics["total"])
-        text.value = f"{metrics['step']}/{metrics['total']}, loss {metrics['loss']:.3f}"
+        # the server counts every update; a hogwild rank's cap is the whole run's updates, of
+        # which it makes about its share
+        total = metrics["total"] if cfg.strategy == "async_ps" else cfg.steps
+        bar.max, bar.value = total, min(metrics["step"], total)
+        text.value = f"{metrics['step']}/{total}, loss {metrics['loss']:.3f}"
 
 
 def sync_panel(base: RunConfig | None = None, modes=SYNC_ASYNC, *, run_now: bool = False,
