@@ -1,9 +1,9 @@
 """Steps, wall time and bytes to a target loss, per mode, with and without a 3x straggler.
 
-    python benchmarks/sync_async.py [--width 256] [--steps 60] [--rounds 3] [--straggler 3]
-                                    [--quick] [--json PATH]
+    python benchmarks/sync_async.py [--width 256] [--global-batch 512] [--steps 40]
+                                    [--rounds 3] [--straggler 3] [--quick] [--json PATH]
 
-One task (a 2-layer MLP on the toy classification set, global batch 128, seed 0) in the five
+One task (a 2-layer MLP on the toy classification set, global batch 512, seed 0) in the five
 modes of notebook 06: ddp, local_sgd (H=4), diloco (H=4), async_ps (a server + 2 workers) and
 hogwild, each once without and once with rank 1 computing ``--straggler`` times slower. Each
 round runs all ten configurations back to back (interleaved, so a busy spell hits every mode).
@@ -39,15 +39,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--width", type=int, default=256)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--global-batch", type=int, default=512)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--straggler", type=float, default=3.0)
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true", help="a small model, 1 round (a smoke test)")
     args = p.parse_args(argv)
     if args.quick:
-        args.width, args.steps, args.rounds = 64, 12, 1
-    base = RunConfig(world_size=2, steps=args.steps, warmup=2, global_batch=128,
+        args.width, args.steps, args.rounds, args.global_batch = 64, 12, 1, 128
+    base = RunConfig(world_size=2, steps=args.steps, warmup=2, global_batch=args.global_batch,
                      width=args.width, depth=2, period=4, timeout_s=300)
     tables, target = [], None
     for _ in range(args.rounds):
