@@ -202,6 +202,9 @@ class RunConfig:
         if self.accumulate != 1:
             raise ValueError(f"{self.strategy} takes one batch per optimizer step: set "
                              f"accumulate=1 (got {self.accumulate})")
+        if self.strategy == "hogwild" and self.device == "cuda":
+            raise ValueError("hogwild shares one model in host memory between processes: set "
+                             "device='cpu'")
         if self.strategy == "async_ps" and self.world_size < 2:
             raise ValueError("async_ps runs a parameter server on rank 0 and workers on the other "
                              "ranks: set world_size to 2 or more (3 gives two workers)")

@@ -179,7 +179,8 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
     def exchange() -> None:
         outbox[0], outbox[1] = PUSH, version[0]
         outbox[2], outbox[3] = last_loss
-        outbox[HEADER:] = torch.cat([p.grad.reshape(-1) for p in params])
+        outbox[HEADER:] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                                     .reshape(-1) for p in params])
         dist.send(outbox, dst=0)
         for p in params:                   # the server applied it: no local optimizer step
             p.grad = None

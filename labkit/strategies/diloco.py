@@ -73,6 +73,10 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         state["rounds"] += int(due)
         return {"averaged": int(due), "rounds": state["rounds"], "period": cfg.period}
 
+    notes = [] if fns.optimizer_fn is None else [
+        "diloco trains with its own inner AdamW (inner_lr) and outer Nesterov SGD (outer_lr, "
+        "outer_momentum): your optimizer_fn was not used"]
     return train_loop(cfg, ctx, model, data, strategy="diloco", fns=fns, optimizer=inner,
+                      notes=notes,
                       after_step=after_step, comm_bytes=lambda: nbytes * state["averaged"],
                       unwrapped=model)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from .common import build_model, data_iter, train_loop
+from .common import build_model, data_iter, final_state, train_loop
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -60,9 +60,11 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         dist.barrier()
         buf = shared_buffer(path, n + ctx.world_size)
         dist.barrier()                     # every rank has it mapped: the name can go
-    finally:
-        if ctx.rank == 0 and os.path.exists(path):
+    finally:                               # whichever rank gets here (rank 0 may have died)
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass
     flat, counts = buf[:n], buf[n:]
     if ctx.rank == 0:
         flat.copy_(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
@@ -87,6 +89,5 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
                      steps=budget - cfg.warmup)
     dist.barrier()                         # every update has landed: all ranks read one model
     out["shared_updates"] = int(float(counts.sum()))
-    from .common import final_state
     out["params"] = final_state(cfg, model)
     return out
