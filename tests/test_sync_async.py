@@ -233,3 +233,23 @@ def test_to_target_reads_updates_time_samples_and_bytes():
     assert math.isnan(sync_async.to_target(synthetic(), 0.1, window=1)["updates_to_target"][0])
     st = sync_async.staleness(synthetic())
     assert st.set_index("staleness")["count"].to_dict() == {0: 1, 1: 2, 2: 1}
+
+
+class FailingLoss(torch.nn.Module):
+    """Cross-entropy that raises on its fourth call (a worker dying mid-run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, out, y):
+        self.calls += 1
+        if self.calls == 4:
+            raise RuntimeError("worker died")
+        return torch.nn.functional.cross_entropy(out, y)
+
+
+def test_a_failing_worker_ends_the_parameter_server_run_with_its_error(no_leftover_ranks):
+    cfg = BASE.replace(strategy="async_ps", world_size=3, steps=20, timeout_s=60)
+    with pytest.raises(Exception, match="worker died"):
+        experiment.run(cfg, loss_fn=lambda cfg: FailingLoss())
