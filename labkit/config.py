@@ -138,10 +138,10 @@ class RunConfig:
                     f"{self.stages} stages: raise depth or lower stages")
         elif self.global_batch % self.data_ranks:
             raise ValueError(
-                f"global batch {self.global_batch} is not divisible by "
-                f"{f'{self.data_ranks} workers' if self.strategy == 'async_ps' else 'world size'}"
-                f"{'' if self.strategy == 'async_ps' else f' {self.world_size}'}: pick a global "
-                f"batch that is a multiple of {self.data_ranks}")
+                f"global batch {self.global_batch} is not divisible by " + (
+                    f"{self.data_ranks} workers" if self.strategy == "async_ps"
+                    else f"world size {self.world_size}")
+                + f": pick a global batch that is a multiple of {self.data_ranks}")
         elif self.global_batch % (self.data_ranks * self.accumulate):
             raise ValueError(
                 f"global batch {self.global_batch} does not split into {self.accumulate} "
