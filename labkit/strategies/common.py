@@ -97,9 +97,10 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     ``cfg.slowdown`` still makes a rank a straggler (the sync/async lab's modes).
     ``optimizer``: instead of ``fns.optimizer`` (DiLoCo's inner AdamW). ``after_step(i)`` runs
     after each optimizer step, before ``zero_grad`` (local SGD's and DiLoCo's averaging rounds),
-    timed as ``comm``, and returns extra record columns. ``until()``: checked before each measured step, True ends
-    the run early (the async modes stop when the shared model has had its updates); ``steps``:
-    this rank's most measured steps, if not ``cfg.steps`` (an async rank may make them all).
+    timed as ``comm``, and returns extra record columns. ``until()``: checked before each
+    measured step, True ends the run early (the async modes stop when the shared model has had
+    its updates); ``steps``: this rank's most measured steps, if not ``cfg.steps`` (an async rank
+    may make them all).
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
     optimizer = fns.optimizer(cfg, model.parameters()) if optimizer is None else optimizer

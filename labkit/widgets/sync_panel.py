@@ -85,8 +85,9 @@ class SyncPanel(BackgroundRun):
     def done_message(self, records: pd.DataFrame) -> str:
         table, target = self.table(records)
         fastest = table.dropna(subset=["seconds_to_target"])
-        best = (f"; fastest to {target:.3f}: {fastest.loc[fastest['seconds_to_target'].idxmin(), 'run']}"
-                if len(fastest) else "")
+        best = "" if fastest.empty else (
+            f"; fastest to {target:.3f}: "
+            f"{fastest.loc[fastest['seconds_to_target'].idxmin(), 'run']}")
         return f"done: {', '.join(self._labels)}; {len(table)} run(s) in the table{best}"
 
     def _progress(self, cfg: RunConfig, rank: int, metrics: dict) -> None:
