@@ -175,7 +175,9 @@ def _report(args, base: RunConfig, records) -> int:
     if records["strategy"].isin(("local_sgd", "diloco", "async_ps", "hogwild")).any():
         from .sync_async import default_target, people_table, to_target
         target = default_target(records)
-        print(f"\n== to a loss of {target:.3f} (smoothed over 4 global batches; labkit.sync_async)")
+        print(f"\n== to a loss of {target:.3f} (smoothed over 4 global batches; labkit.sync_async)"
+              f"\nasync_ps and hogwild: read this table, not the one above, which pairs ranks "
+              f"by step number (asynchronous ranks share none)")
         print(people_table(to_target(records, target)).to_string(index=False))
     if args.json:
         experiment.save_records(records, args.json, config=base.to_dict(),
