@@ -52,6 +52,7 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/torchrun_exit.py
 	$(BIN)/python benchmarks/elastic.py
 	$(BIN)/python benchmarks/memory_precision.py
+	$(BIN)/python benchmarks/sync_async.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -21,11 +21,11 @@ _LAZY = {"run": "experiment", "compare": "experiment", "summarize": "experiment"
          "check": "experiment", "grid": "experiment",
          # one panel per lab
          "run_panel": "widgets", "pipeline_panel": "widgets", "comm_panel": "widgets",
-         "balance_panel": "widgets", "memory_panel": "widgets", "elastic_panel": "widgets",
-         "sched_panel": "widgets"}
+         "balance_panel": "widgets", "memory_panel": "widgets", "sync_panel": "widgets",
+         "elastic_panel": "widgets", "sched_panel": "widgets"}
 _SUBMODULES = ("experiment", "report", "plots", "timeline", "predict", "equivalence", "widgets",
                "comm", "profile", "balance", "uneven", "sharding", "memory", "precision",
-               "checkpoint", "elastic", "sched")
+               "sync_async", "checkpoint", "elastic", "sched")
 
 
 def __getattr__(name):

@@ -59,6 +59,16 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast)")
     g.add_argument("--checkpoint", action="store_true",
                    help="activation checkpointing per block (recompute in backward)")
+    # the sync/async lab (notebook 06): local_sgd, diloco, async_ps, hogwild
+    g.add_argument("--period", type=int, default=d.period,
+                   help="local_sgd / diloco: local steps H between averaging rounds")
+    g.add_argument("--inner-lr", type=float, default=d.inner_lr, help="diloco: inner AdamW lr")
+    g.add_argument("--outer-lr", type=float, default=d.outer_lr,
+                   help="diloco: outer Nesterov SGD lr on the averaged parameter delta")
+    g.add_argument("--outer-momentum", type=float, default=d.outer_momentum,
+                   help="diloco: outer Nesterov momentum")
+    g.add_argument("--staleness-lr", action="store_true",
+                   help="async_ps: an update s versions stale uses lr / max(1, s)")
 
 
 # RunConfig field -> the flag that sets it, so a config error can name what to type instead
@@ -71,7 +81,9 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
          "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every",
          "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
-         "precision": "--precision", "checkpoint": "--checkpoint"}
+         "precision": "--precision", "checkpoint": "--checkpoint",
+         "period": "--period", "inner_lr": "--inner-lr", "outer_lr": "--outer-lr",
+         "outer_momentum": "--outer-momentum", "staleness_lr": "--staleness-lr"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -87,7 +99,9 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
                   powersgd_rank=args.powersgd_rank,
                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                  precision=args.precision, checkpoint=args.checkpoint)
+                  precision=args.precision, checkpoint=args.checkpoint,
+                  period=args.period, inner_lr=args.inner_lr, outer_lr=args.outer_lr,
+                  outer_momentum=args.outer_momentum, staleness_lr=args.staleness_lr)
     fields.update(override)
     try:
         return RunConfig(**fields)
@@ -181,6 +195,13 @@ def _report(args, base: RunConfig, records) -> int:
             print(f"note ({key}): {note}")
     from .report import explain
     print("\n== what the table says\n" + explain(table))
+    if records["strategy"].isin(("local_sgd", "diloco", "async_ps", "hogwild")).any():
+        from .sync_async import default_target, people_table, to_target
+        target = default_target(records)
+        print(f"\n== to a loss of {target:.3f} (smoothed over 4 global batches; labkit.sync_async)"
+              f"\nasync_ps and hogwild: read this table, not the one above, which pairs ranks "
+              f"by step number (asynchronous ranks share none)")
+        print(people_table(to_target(records, target)).to_string(index=False))
     if args.json:
         experiment.save_records(records, args.json, config=base.to_dict(),
                                 summary=json.loads(table.to_json(orient="records")))

@@ -88,6 +88,15 @@ def slowdown_at(slowdown, rank: int, step: int) -> float:
     return 1.0
 
 
+def straggle(slowdown, rank: int, step: int, since: float, clock=time.perf_counter) -> float:
+    """Make ``rank`` a straggler at ``step``: sleep (factor - 1) x the compute done since
+    ``since`` (a reading of ``clock``); return the factor."""
+    factor = slowdown_at(slowdown, rank, step)
+    if factor > 1:
+        time.sleep((factor - 1) * (clock() - since))
+    return factor
+
+
 def skew_weights(world_size: int, skew: float) -> list[float]:
     """Data held per rank, relative: 1 for rank 0 up to 1 + skew for the last, linearly."""
     if world_size == 1:
@@ -176,10 +185,7 @@ class Balancer:
 
     def slow_down(self, step: int, since: float) -> float:
         """Sleep (factor - 1) x the compute since ``since``; return the factor."""
-        factor = slowdown_at(self.cfg.slowdown, self.rank, step)
-        if factor > 1:
-            time.sleep((factor - 1) * (time.perf_counter() - since))
-        return factor
+        return straggle(self.cfg.slowdown, self.rank, step, since)
 
     def arrive(self, samples: int) -> float:
         """All-gather (compute seconds, samples) of every rank; return the seconds this rank

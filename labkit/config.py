@@ -16,6 +16,10 @@ STRATEGY_RANKS = {
     "pipeline_1f1b": "world",
     "zero1": "world",
     "fsdp": "world",
+    "local_sgd": "world",
+    "diloco": "world",
+    "async_ps": "world",
+    "hogwild": "world",
 }
 PIPELINE_STRATEGIES = ("model_parallel", "pipeline_gpipe", "pipeline_1f1b")
 MODELS = ("mlp", "cnn", "unbalanced_mlp")
@@ -23,6 +27,8 @@ DEVICES = ("auto", "cpu", "cuda")
 PIPELINE_IMPLS = ("scratch", "torch")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 REBALANCE = ("static", "dynamic", "join")
+# the synchronous vs asynchronous lab's modes (ddp is its synchronous reference)
+SYNC_ASYNC = ("ddp", "local_sgd", "diloco", "async_ps", "hogwild")
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,12 @@ class RunConfig:
     precision: str = "fp32"      # "bf16" / "fp16": torch.autocast (fp16 with a GradScaler)
     checkpoint: bool = False     # ACTIVATION checkpointing (not saving runs): each block keeps
                                  # only its input and recomputes the rest during backward
+    # ---- synchronous vs asynchronous training (labkit.sync_async, notebook 06)
+    period: int = 4              # local_sgd / diloco: local steps H between averaging rounds
+    inner_lr: float = 1e-3       # diloco: the inner AdamW's learning rate
+    outer_lr: float = 0.7        # diloco: outer Nesterov SGD on the averaged parameter delta
+    outer_momentum: float = 0.9  # diloco: the outer step's Nesterov momentum
+    staleness_lr: bool = False   # async_ps: an update s versions stale uses lr / max(1, s)
 
     def __post_init__(self) -> None:
         from .balance import parse_slowdown           # "1:2,0:1.5@10" or pairs -> triples
@@ -134,18 +146,21 @@ class RunConfig:
                 raise ValueError(
                     f"a {self.model} of depth {self.depth} has {self.depth + 1} layers, too few for "
                     f"{self.stages} stages: raise depth or lower stages")
-        elif self.global_batch % self.world_size:
+        elif self.global_batch % self.data_ranks:
             raise ValueError(
-                f"global batch {self.global_batch} is not divisible by world size {self.world_size}: "
-                f"pick a global batch that is a multiple of {self.world_size}")
-        elif self.global_batch % (self.ranks * self.accumulate):
+                f"global batch {self.global_batch} is not divisible by " + (
+                    f"{self.data_ranks} workers" if self.strategy == "async_ps"
+                    else f"world size {self.world_size}")
+                + f": pick a global batch that is a multiple of {self.data_ranks}")
+        elif self.global_batch % (self.data_ranks * self.accumulate):
             raise ValueError(
                 f"global batch {self.global_batch} does not split into {self.accumulate} "
-                f"micro-batches on each of {self.ranks} rank(s): pick a global batch that is a "
-                f"multiple of {self.ranks * self.accumulate}")
+                f"micro-batches on each of {self.data_ranks} rank(s): pick a global batch that is "
+                f"a multiple of {self.data_ranks * self.accumulate}")
         self._check_balancing()
         self._check_elastic()
         self._check_memory()
+        self._check_sync_async()
         if self.dataset_size < self.global_batch:
             raise ValueError(
                 f"dataset_size {self.dataset_size} is smaller than one global batch "
@@ -165,12 +180,15 @@ class RunConfig:
                              f"rank's samples), got {self.skew}")
         if not self.balancing:
             return
-        if self.strategy != "ddp_naive":
+        # the sync/async lab's modes take a straggler (slowdown alone: no skew, no rebalancing)
+        straggler_only = self.skew == 0 and self.rebalance == "static"
+        if self.strategy != "ddp_naive" and not (straggler_only and self.strategy in SYNC_ASYNC):
             raise ValueError(
                 f"slowdown, skew and rebalance are knobs of ddp_naive, whose gradient sync runs "
                 f"after backward, where labkit times each rank's wait for the slowest one (DDP "
                 f"hides that wait inside its overlapped backward): set strategy='ddp_naive' "
-                f"(got {self.strategy!r})")
+                f"(got {self.strategy!r}); a straggler alone (slowdown) also works on "
+                f"{', '.join(SYNC_ASYNC)}")
         if self.accumulate != 1:
             raise ValueError(f"load balancing changes each rank's share of every step: set "
                              f"accumulate=1 (got {self.accumulate})")
@@ -220,6 +238,34 @@ class RunConfig:
             if self.strategy == "fsdp":
                 raise ValueError("fp16 with fsdp needs a GradScaler that agrees across shards, "
                                  "which labkit does not build: use precision='bf16' (no scaler)")
+    def _check_sync_async(self) -> None:
+        if self.period < 1:
+            raise ValueError(f"period must be at least 1 (local steps between averaging rounds), "
+                             f"got {self.period}")
+        for name in ("inner_lr", "outer_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.strategy not in SYNC_ASYNC[1:]:
+            return
+        if self.accumulate != 1:
+            raise ValueError(f"{self.strategy} takes one batch per optimizer step: set "
+                             f"accumulate=1 (got {self.accumulate})")
+        if self.strategy == "hogwild" and self.device == "cuda":
+            raise ValueError("hogwild shares one model in host memory between processes: set "
+                             "device='cpu'")
+        if self.strategy == "async_ps" and self.world_size < 2:
+            raise ValueError("async_ps runs a parameter server on rank 0 and workers on the other "
+                             "ranks: set world_size to 2 or more (3 gives two workers)")
+        if self.strategy == "async_ps" and any(r == 0 for r, _, _ in self.slowdown):
+            raise ValueError("async_ps: rank 0 is the parameter server, which computes no "
+                             "gradients: slow down a worker instead, e.g. slowdown='1:3'")
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that train on data: every rank, except async_ps's parameter server (rank 0)."""
+        return max(1, self.ranks - 1) if self.strategy == "async_ps" else self.ranks
 
     @property
     def balancing(self) -> bool:
@@ -237,7 +283,7 @@ class RunConfig:
         per step) or one pipeline micro-batch."""
         if self.strategy in PIPELINE_STRATEGIES:
             return self.global_batch // self.microbatches
-        return self.global_batch // (self.ranks * self.accumulate)
+        return self.global_batch // (self.data_ranks * self.accumulate)
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Sequence
 import pandas as pd
 import torch
 
-from .config import PIPELINE_STRATEGIES, STRATEGY_RANKS, RunConfig
+from .config import PIPELINE_STRATEGIES, STRATEGY_RANKS, SYNC_ASYNC, RunConfig
 from .env import cpu_cores, oversubscription, resolve_device
 from .factories import Factories, validate
 from .launch import launch
@@ -249,13 +249,15 @@ def run_label(strategy: str, world_size: int, threads, variant: str = "") -> str
 
 def variant(cfg: RunConfig) -> str:
     """What tells two runs of one strategy and world size apart in a lab: the load-balancing
-    policy and the injected heterogeneity, reduced precision, activation checkpointing; ""
-    for a plain run."""
-    parts = []
+    policy and the injected heterogeneity; the sync/async lab's period H and staleness-aware lr;
+    reduced precision and activation checkpointing; "" for a plain run."""
+    parts = ([f"H={cfg.period}"] if cfg.strategy in ("local_sgd", "diloco") else []) + \
+        (["staleness lr"] if cfg.strategy == "async_ps" and cfg.staleness_lr else [])
     if cfg.balancing:
         from .balance import format_slowdown
-        parts += ([cfg.rebalance] + ([f"slow {format_slowdown(cfg.slowdown)}"] if cfg.slowdown
-                                     else []) + ([f"skew {cfg.skew:g}"] if cfg.skew else []))
+        policy = [] if cfg.strategy in SYNC_ASYNC else [cfg.rebalance]  # a straggler, no policy
+        parts += (policy + ([f"slow {format_slowdown(cfg.slowdown)}"] if cfg.slowdown else [])
+                  + ([f"skew {cfg.skew:g}"] if cfg.skew else []))
     parts += [cfg.precision] if cfg.precision != "fp32" else []     # labkit.memory
     parts += ["checkpointed"] if cfg.checkpoint else []
     return ", ".join(parts)

@@ -103,3 +103,13 @@ def test_memory_precision_quick(tmp_path):
     out = json.loads((tmp_path / "mem.json").read_text())
     assert out["precision"]["activation_ratio"] < 0.75          # counted bytes, not timings
     assert out["checkpoint"]["activation_ratio"] < 0.5
+
+
+def test_sync_async_quick(tmp_path):
+    lines = run_bench("sync_async.py", tmp_path / "sa.json")
+    for mode in ("ddp", "local_sgd", "diloco", "async_ps", "hogwild"):
+        assert sum(bool(re.match(rf"^\s*{mode}\s+\d", l)) for l in lines) == 2, lines
+    assert re.fullmatch(rf"async_ps / ddp seconds to target under a 3x straggler ratio: "
+                        rf"({NUMBER}|nan)", lines[-1]), lines[-1]
+    out = json.loads((tmp_path / "sa.json").read_text())
+    assert [r["straggler"] for r in out["rows"]] == [1.0] * 5 + [3.0] * 5

@@ -388,3 +388,26 @@ def test_memory_panel_in_a_browser(lab, browser):
     assert "zero1@2" in shown and "fsdp@2" in shown and "Counted: zero1@2" in shown, shown[:800]
     assert not kernel_ranks(lab)
     page.close()
+
+
+def test_sync_async_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "06_sync_async.ipynb")
+    wait_status(page, r"ready: ddp@2, async_ps@3", 10)
+
+    # as a person: rank 1's slowdown typed into its slider's readout, then Run
+    readout = page.locator(".widget-slider:has(label:text-is('rank 1 slowdown')) .widget-readout")
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("2.5")
+    page.keyboard.press("Enter")
+    wait_status(page, r"ready: ddp@2 slow 1:2\.5, async_ps@3 slow 1:2\.5", 10)
+    page.click(".widget-button:has-text('Run')")
+    status = wait_status(page, r"done: ddp@2 slow 1:2\.5, async_ps@3 slow 1:2\.5; 2 run\(s\)", 180)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-06-straggler.png"), full_page=True)
+    assert "fastest to" in status or "run(s) in the table" in status, status
+    assert "ddp@2 slow 1:2.5" in shown and "async_ps@3 slow 1:2.5" in shown, shown[:800]
+    assert "Staleness" in shown, shown[:800]
+    assert not kernel_ranks(lab)
+    page.close()

@@ -96,7 +96,7 @@ def test_worker_without_torchrun_says_how_to_start_it():
     (["compare", "--global-batch", "0"], ["--global-batch", "global_batch must be at least 1"]),
     (["check", "--strategies", "ddp,foo"], ["unknown strategy 'foo'"]),
     (["check", "--tol", "0"], ["--tol must be positive"]),
-    (["compare", "--strategies", "ddp", "--world-sizes", "2", "--slowdown", "1:2"],
+    (["compare", "--strategies", "ddp", "--world-sizes", "2", "--skew", "0.5"],
      ["slowdown, skew and rebalance are knobs of ddp_naive", "set strategy='ddp_naive'"]),
     (["compare", "--strategies", "ddp_naive", "--world-sizes", "2", "--slowdown", "2:2"],
      ["--slowdown", "ranks 0..1"]),

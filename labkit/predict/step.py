@@ -297,3 +297,22 @@ def predict_balance(profile: Profile, network: CollectiveModel, world_size: int,
             "optimizer_s": profile.optimizer_s, "step_s": step,
             "samples_per_s": global_batch / step, "ideal_samples_per_s": ideal,
             "throughput_fraction": global_batch / step / ideal}
+
+
+def straggler_throughput(factors: Sequence[float], mode: str) -> float:
+    """Throughput with per-rank compute slowdowns ``factors``, as a fraction of the same run
+    without them, when compute dominates the step (the sync/async lab).
+
+    Synchronous modes (ddp, ddp_naive, local_sgd, diloco) wait for the slowest rank every step,
+    or once a round, which over a round is the same wait: they run at its pace, 1 / max(f).
+    Asynchronous ones (async_ps's workers, hogwild's ranks) never wait for each other: each rank
+    contributes at its own pace, mean(1 / f)."""
+    factors = [float(f) for f in factors]
+    if not factors or min(factors) < 1:
+        raise ValueError(f"factors must be >= 1, one per computing rank, got {factors}")
+    if mode in ("async_ps", "hogwild"):
+        return sum(1 / f for f in factors) / len(factors)
+    if mode in ("ddp", "ddp_naive", "local_sgd", "diloco"):
+        return 1 / max(factors)
+    raise ValueError(f"unknown mode {mode!r}: choose ddp, ddp_naive, local_sgd, diloco, "
+                     f"async_ps or hogwild")

@@ -15,7 +15,9 @@ from ..factories import Factories
 # strategy name -> module in this package
 _MODULES = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp_naive": "ddp_naive",
             "model_parallel": "model_parallel", "pipeline_gpipe": "pipeline",
-            "pipeline_1f1b": "pipeline", "zero1": "zero1", "fsdp": "fsdp"}
+            "pipeline_1f1b": "pipeline", "zero1": "zero1", "fsdp": "fsdp",
+            "local_sgd": "local_sgd", "diloco": "diloco",
+            "async_ps": "async_ps", "hogwild": "hogwild"}
 assert set(_MODULES) == set(STRATEGY_RANKS)
 
 

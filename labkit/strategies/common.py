@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..balance import Balancer
+from ..balance import Balancer, straggle
 from ..checkpoint import Resume
 from ..config import RunConfig
 from ..data import batches, shard_loader
@@ -22,7 +22,7 @@ from ..dist import RankContext
 from ..factories import Factories
 from ..memory import MemoryMeter, checkpoint_blocks
 from ..precision import Amp
-from ..probes import StepProbe, sync
+from ..probes import StepProbe, cpu_seconds, sync
 from ..uneven import join_context
 
 DATA_PARALLEL = ("ddp", "ddp_naive", "zero1", "fsdp")  # may synchronise batch statistics
@@ -80,7 +80,9 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                comm_bytes: int | Callable[[], int] = 0,
                comm_total: Callable[[], float] | None = None, unwrapped: nn.Module | None = None,
                notes: list[str] | None = None, balancer: "Balancer | None" = None,
-               make_optimizer: Callable | None = None) -> dict:
+               make_optimizer: Callable | None = None,
+               after_step: Callable[[int], dict] | None = None,
+               until: Callable[[], bool] | None = None, steps: int | None = None) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
@@ -97,9 +99,15 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     ``balancer`` (``labkit.balance``, ddp_naive): this rank's slice of each global batch and its
     loss weight, the injected slowdown, the timed arrival before the all-reduce (``wait``
     phase), share updates, and under join the steps this rank's data lasts.
+    Without a balancer, ``cfg.slowdown`` still makes a rank a straggler (the sync/async lab's
+    modes). ``make_optimizer(params)``: the optimizer instead of the user's (ZeRO-1 wraps it;
+    DiLoCo's inner AdamW). ``after_step(i)`` runs after each optimizer step, before
+    ``zero_grad`` (local SGD's and DiLoCo's averaging rounds), timed as ``comm``, and returns
+    extra record columns. ``until()``: checked before each measured step, True ends the run
+    early (the async modes stop when the shared model has had its updates); ``steps``: this
+    rank's most measured steps, if not ``cfg.steps`` (an async rank may make them all).
     ``cfg.checkpoint_dir`` (``labkit.checkpoint.Resume``): continue from its checkpoint, write
     one every ``cfg.checkpoint_every`` steps, and a timeline row per step.
-    ``make_optimizer(params)``: the optimizer instead of the user's (ZeRO-1 wraps it).
     Memory and precision (``labkit.memory``, ``labkit.precision``): forward runs under
     ``cfg.precision``'s autocast, and every record carries the bytes of each memory category.
     """
@@ -114,7 +122,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     k = cfg.accumulate
     syncs = k if cfg.sync_every_microstep else 1          # synchronisations per optimizer step
     bal = balancer
-    total = cfg.warmup + cfg.steps if bal is None else bal.steps(cfg.warmup + cfg.steps)
+    total = cfg.warmup + (steps or cfg.steps)
+    total = total if bal is None else bal.steps(total)
     comm_baseline_s, records = None, []
     progress = Progress(ctx, total - cfg.warmup)  # measured steps only
     notes = notes if notes is not None else []
@@ -123,6 +132,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     start = resume.start() if resume is not None else 0
     with join_context(bal):
         for i in range(start, total):
+            if until is not None and i >= cfg.warmup and until():
+                break
             if i == max(cfg.warmup, start) and calibrate is not None:
                 with amp.autocast():
                     comm_baseline_s = k * calibrate(loss_fn)
@@ -137,6 +148,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 probe.mark("data")
                 t_compute = time.perf_counter()
+                cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
+                c_compute = cpu() if cpu is not None else 0.0
                 plain = sync_now or not hasattr(model, "no_sync")
                 with nullcontext() if plain else model.no_sync():
                     with meter.forward(x, y), amp.autocast():
@@ -148,6 +161,9 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                     amp.backward(scaled)
                     if bal is not None:       # a slower device: sleep, leave the core to others
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
+                    elif cpu is not None:     # CPU time: DDP's backward also waits in all-reduces
+                        extra["slowdown"] = straggle(cfg.slowdown, ctx.rank, i - cfg.warmup,
+                                                     c_compute, clock=cpu)
                     probe.mark("backward")
                 if bal is not None and sync_now:
                     bal.arrive(samples + len(x))
@@ -159,6 +175,10 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 samples += len(x)
             meter.grads()
             extra.update(amp.step(optimizer))
+            if after_step is not None:    # before zero_grad: torch's averager skips grad-less
+                probe.mark("optimizer")   # parameters
+                extra.update(after_step(i))
+                probe.mark("comm")
             optimizer.zero_grad(set_to_none=True)
             probe.mark("optimizer")
             meter.step()                     # counted outside the timed phases

@@ -8,8 +8,9 @@ from .memory_panel import MemoryPanel, memory_panel
 from .pipeline_panel import PipelinePanel, last_step_events, pipeline_panel
 from .run_panel import RunPanel, run_panel, world_sizes_upto
 from .sched_panel import SchedPanel, sched_panel
+from .sync_panel import SyncPanel, sync_panel
 
 __all__ = ["BackgroundRun", "mime_output", "RunPanel", "run_panel", "world_sizes_upto",
            "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel",
            "comm_panel", "BalancePanel", "balance_panel", "MemoryPanel", "memory_panel",
-           "ElasticPanel", "elastic_panel", "SchedPanel", "sched_panel"]
+           "SyncPanel", "sync_panel", "ElasticPanel", "elastic_panel", "SchedPanel", "sched_panel"]
