@@ -129,8 +129,8 @@ def test_grid_and_bad_input():
     configs = experiment.grid(SMALL, ["single", "ddp"], [1, 2])
     assert [(c.strategy, c.world_size) for c in configs if c.threads is None] == \
         [("single", 1), ("ddp", 1), ("ddp", 2)]
-    with pytest.raises(ValueError, match="unknown strategy 'fsdp'"):
-        experiment.grid(SMALL, ["fsdp"], [2])
+    with pytest.raises(ValueError, match="unknown strategy 'horovod'"):
+        experiment.grid(SMALL, ["horovod"], [2])
     with pytest.raises(ValueError, match="not divisible by world size 3"):
         experiment.grid(SMALL, ["ddp"], [3])
     assert math.isclose(SMALL.replace(world_size=4).batch_per_rank, 8)
