@@ -106,8 +106,13 @@ def _wait_for_port(port: int, timeout: float) -> None:
     raise TimeoutError(f"JupyterLab did not listen on port {port} within {timeout} s")
 
 
-def open_and_run_all(browser, lab, name: str, timeout_s: float = 360):
-    """Open a notebook at 1280 px with the file browser open, Run All, wait for the last cell."""
+def open_and_run_all(browser, lab, name: str, timeout_s: float = 360, upto: str | None = None):
+    """Open a notebook at 1280 px with the file browser open, Run All, wait for the last cell.
+
+    ``upto``: text in the panel's cell; run only the cells up to and including it (the later
+    labs' notebooks: nbval already runs every cell of every notebook, and the browser test must
+    fit its budget, so here it checks what only a browser shows: the panel, driven by a person).
+    """
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     # a workspace of its own: only this notebook open, so selectors cannot match another one
     page.goto(f"{lab['url']}/lab/workspaces/{name[:2]}/tree/{name}?reset&token={lab['token']}")
@@ -117,32 +122,54 @@ def open_and_run_all(browser, lab, name: str, timeout_s: float = 360):
     except Exception:
         pass
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-    page.click(".lm-MenuBar-itemLabel:text-is('Run')")
-    page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
-    deadline, idle_since = time.time() + timeout_s, None
-    while time.time() < deadline:          # done: nothing queued or running, kernel idle 3 s
-        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
-        # Run All stops at a cell that raised: the cells after it keep an empty prompt
-        done = idle and any(re.search(r"\[\d+\]", p) for p in prompts) \
-            and not any("[*]" in p for p in prompts)
-        idle_since = (idle_since or time.time()) if done else None
-        if idle_since and time.time() - idle_since > 3:
-            break
-        time.sleep(0.5)
+    cells = page.locator(".jp-CodeCell")
+    if upto is None:
+        run_menu(page, "Run All Cells")
+        target = cells.count() - 1
+    else:
+        sources = page.locator(".jp-CodeCell .jp-InputArea-editor").all_inner_texts()
+        target = next(i for i, src in enumerate(sources) if upto in src)
+        cells.nth(target).locator(".jp-InputPrompt").click()     # select it (command mode)
+        run_menu(page, "Run All Above Selected Cell")
+        wait_idle(page, cells, target - 1, timeout_s)
+        run_menu(page, "Run Selected Cell")
+    prompts = wait_idle(page, cells, target, timeout_s)
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
                           ).all_inner_texts()
     tracebacks = [e for e in errors if "Traceback" in e or re.search(r"^\w+Error\b", e, re.M)]
-    if time.time() >= deadline:
+    if prompts is None:
         page.screenshot(path=str(OUT / f"browser-{name[:2]}-timeout.png"), full_page=True)
-        raise AssertionError(f"{name}: Run All did not finish within {timeout_s} s; prompts "
+        prompts = cells.locator(".jp-InputPrompt").all_inner_texts()
+        raise AssertionError(f"{name}: running did not finish within {timeout_s} s; prompts "
                              f"{[p.strip() for p in prompts]}; errors {tracebacks[:1]}")
     page.screenshot(path=str(OUT / f"browser-{name[:2]}-run-all.png"), full_page=True)
     last = max(i for i, p in enumerate(prompts) if re.search(r"\[\d+\]", p))
     assert not tracebacks, f"cell {last + 1} of {len(prompts)} raised:\n{tracebacks[0][-3000:]}"
-    assert last == len(prompts) - 1, f"Run All stopped after cell {last + 1} of {len(prompts)}"
+    assert last == target, f"running stopped after cell {last + 1} of {target + 1}"
     assert page.locator(".jp-OutputArea .js-plotly-plot").count() > 0, "no chart rendered"
     return page
+
+
+def run_menu(page, item: str) -> None:
+    page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+    page.click(f".lm-Menu-itemLabel:text-is('{item}')")
+
+
+def wait_idle(page, cells, target: int, timeout_s: float) -> list[str] | None:
+    """Wait until something has run, nothing is queued and the kernel has been idle 3 s; the
+    input prompts then (the caller checks that cell ``target`` ran: a cell that raised stops the
+    queue and the cells after it keep an empty prompt), or None on the timeout."""
+    deadline, idle_since = time.time() + timeout_s, None
+    while time.time() < deadline:
+        prompts = cells.locator(".jp-InputPrompt").all_inner_texts()
+        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() > 0
+        ran = [i for i, p in enumerate(prompts) if re.search(r"\[\d+\]", p)]
+        done = idle and bool(ran) and not any("[*]" in p for p in prompts)
+        idle_since = (idle_since or time.time()) if done else None
+        if idle_since and time.time() - idle_since > 3:
+            return prompts
+        time.sleep(0.5)
+    return None
 
 
 def panel_status(page) -> str:
