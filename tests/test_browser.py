@@ -131,9 +131,9 @@ def open_and_run_all(browser, lab, name: str, timeout_s: float = 360, upto: str 
         target = next(i for i, src in enumerate(sources) if upto in src)
         cells.nth(target).locator(".jp-InputPrompt").click()     # select it (command mode)
         run_menu(page, "Run All Above Selected Cell")
-        wait_idle(page, cells, target - 1, timeout_s)
+        wait_idle(page, cells, timeout_s)
         run_menu(page, "Run Selected Cell")
-    prompts = wait_idle(page, cells, target, timeout_s)
+    prompts = wait_idle(page, cells, timeout_s)
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
                           ).all_inner_texts()
     tracebacks = [e for e in errors if "Traceback" in e or re.search(r"^\w+Error\b", e, re.M)]
@@ -155,10 +155,10 @@ def run_menu(page, item: str) -> None:
     page.click(f".lm-Menu-itemLabel:text-is('{item}')")
 
 
-def wait_idle(page, cells, target: int, timeout_s: float) -> list[str] | None:
+def wait_idle(page, cells, timeout_s: float) -> list[str] | None:
     """Wait until something has run, nothing is queued and the kernel has been idle 3 s; the
-    input prompts then (the caller checks that cell ``target`` ran: a cell that raised stops the
-    queue and the cells after it keep an empty prompt), or None on the timeout."""
+    input prompts then (the caller checks that the cell it wanted ran: a cell that raised stops
+    the queue and the cells after it keep an empty prompt), or None on the timeout."""
     deadline, idle_since = time.time() + timeout_s, None
     while time.time() < deadline:
         prompts = cells.locator(".jp-InputPrompt").all_inner_texts()
