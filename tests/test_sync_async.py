@@ -287,3 +287,13 @@ def test_cli_bad_lab_flags_exit_2_naming_the_flag(args, message, capsys):
     assert main(["compare", "--world-sizes", "2", "--steps", "2", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_straggler_prediction_sync_at_the_slowest_pace_async_at_the_mean():
+    from labkit.predict.step import straggler_throughput
+    assert straggler_throughput([1, 3], "ddp") == pytest.approx(1 / 3)
+    assert straggler_throughput([1, 3], "local_sgd") == pytest.approx(1 / 3)
+    assert straggler_throughput([1, 3], "async_ps") == pytest.approx((1 + 1 / 3) / 2)
+    assert straggler_throughput([1, 1], "hogwild") == 1.0
+    with pytest.raises(ValueError, match="unknown mode"):
+        straggler_throughput([1, 2], "zero3")
