@@ -253,3 +253,47 @@ def test_a_failing_worker_ends_the_parameter_server_run_with_its_error(no_leftov
     cfg = BASE.replace(strategy="async_ps", world_size=3, steps=20, timeout_s=60)
     with pytest.raises(Exception, match="worker died"):
         experiment.run(cfg, loss_fn=lambda cfg: FailingLoss())
+
+
+# ---- the command line ------------------------------------------------------------------------
+
+def labkit_cli(*args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_compare_takes_the_labs_flags_and_prints_the_to_target_table(tmp_path):
+    out = tmp_path / "sa.json"
+    r = labkit_cli("compare", "--strategies", "local_sgd,async_ps", "--world-sizes", "3",
+                   "--period", "2", "--staleness-lr", "--outer-lr", "0.5", "--steps", "4",
+                   "--width", "32", "--depth", "1", "--global-batch", "48",
+                   "--dataset-size", "512", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "local_sgd@3 H=2" in r.stdout and "async_ps@3 staleness lr" in r.stdout
+    assert "== to a loss of" in r.stdout and "updates to target" in r.stdout
+    records = pd.DataFrame(__import__("json").loads(out.read_text())["records"])
+    assert {"averaged", "rounds", "staleness", "lr_scale", "comm_bytes"} <= set(records)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategies", "local_sgd", "--period", "0"], "--period: period must be at least 1"),
+    (["--strategies", "diloco", "--outer-lr", "-1"], "--outer-lr: outer_lr must be positive"),
+    (["--strategies", "ddp", "--skew", "0.5"], "a straggler alone (slowdown) also works"),
+])
+def test_cli_bad_lab_flags_exit_2_naming_the_flag(args, message, capsys):
+    from labkit.__main__ import main            # in process: refused before anything runs
+    assert main(["compare", "--world-sizes", "2", "--steps", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_straggler_prediction_sync_at_the_slowest_pace_async_at_the_mean():
+    from labkit.predict.step import straggler_throughput
+    assert straggler_throughput([1, 3], "ddp") == pytest.approx(1 / 3)
+    assert straggler_throughput([1, 3], "local_sgd") == pytest.approx(1 / 3)
+    assert straggler_throughput([1, 3], "async_ps") == pytest.approx((1 + 1 / 3) / 2)
+    assert straggler_throughput([1, 1], "hogwild") == 1.0
+    with pytest.raises(ValueError, match="unknown mode"):
+        straggler_throughput([1, 2], "zero3")
