@@ -76,7 +76,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     notes = [] if fns.optimizer_fn is None else [
         "diloco trains with its own inner AdamW (inner_lr) and outer Nesterov SGD (outer_lr, "
         "outer_momentum): your optimizer_fn was not used"]
-    return train_loop(cfg, ctx, model, data, strategy="diloco", fns=fns, make_optimizer=lambda params: inner,
-                      notes=notes,
+    return train_loop(cfg, ctx, model, data, strategy="diloco", fns=fns,
+                      make_optimizer=lambda params: inner, notes=notes,
                       after_step=after_step, comm_bytes=lambda: nbytes * state["averaged"],
                       unwrapped=model)
