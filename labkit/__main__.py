@@ -471,7 +471,7 @@ def cmd_memory(args) -> int:
     sizes = _csv(args.world_sizes, int, "--world-sizes")
     records, errors = measure(base, _csv(args.strategies, flag="--strategies"), sizes,
                               args.optimizer)
-    with pd_options():
+    with _pd_options():
         print(memory_table(records).round(4).to_string(index=False))
         print("MiB per rank: counted from live tensor storage; high_water: the process's peak "
               "(RSS on CPU: interpreter, libraries and caches too)\n")
@@ -483,7 +483,7 @@ def cmd_memory(args) -> int:
     return 0
 
 
-def pd_options():
+def _pd_options():
     import pandas as pd
     return pd.option_context("display.width", 200, "display.max_columns", 30)
 

@@ -9,7 +9,7 @@ from labkit.config import MODELS, STRATEGY_RANKS, RunConfig
 
 # (changes to the default config, words the error must contain: what is wrong and the fix)
 INVALID = [
-    ({"strategy": "horovod"}, ["unknown strategy 'horovod'", "choose one of single, dp, ddp"]),
+    ({"strategy": "telepathy"}, ["unknown strategy 'telepathy'", "choose one of single, dp, ddp"]),
     ({"world_size": 0}, ["world_size must be at least 1, got 0"]),
     ({"steps": 0}, ["steps must be at least 1"]),
     ({"global_batch": 0}, ["global_batch must be at least 1"]),

@@ -113,7 +113,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     """
     loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
     optimizer = (make_optimizer or (lambda ps: fns.optimizer(cfg, ps)))(model.parameters())
-    amp, meter = Amp(cfg.precision, ctx.device), MemoryMeter(model, optimizer)
+    amp = Amp(cfg.precision, ctx.device)
+    meter = MemoryMeter(model, optimizer, at_step=max(cfg.warmup - 1, 0))   # counts one step
     seed_rank_streams(cfg, ctx)
     probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
                       device=str(ctx.device), global_batch=cfg.global_batch,
@@ -138,6 +139,7 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 with amp.autocast():
                     comm_baseline_s = k * calibrate(loss_fn)
             probe.start()
+            meter.begin(i)
             extra, losses, samples = {}, [], 0
             if bal is not None:
                 bal.begin()

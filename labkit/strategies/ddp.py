@@ -35,8 +35,9 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories, *, strategy: str = "dd
     ddp_model = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
                     **({} if cap is None else {"bucket_cap_mb": cap}))
     comm_bytes, comm_total = register_hook(ddp_model, cfg, nbytes, notes)
-    if make_optimizer is not None:
-        comm_bytes += nbytes
+    if make_optimizer is not None:           # + one broadcast of every parameter per step
+        syncs, reduce_bytes = (cfg.accumulate if cfg.sync_every_microstep else 1), comm_bytes
+        comm_bytes = lambda: syncs * reduce_bytes + nbytes       # noqa: E731
     data, loader = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                              batch_size=cfg.batch_per_rank)
 
