@@ -86,6 +86,9 @@ def validate(cfg: RunConfig, fns: Factories) -> None:
                         f"the model itself, e.g. model_fn=lambda cfg: MyModel()")
     if cfg.strategy in PIPELINE_STRATEGIES:
         _check_cuttable(cfg, model)
+    if cfg.checkpoint:              # activation checkpointing cuts between blocks: say so here
+        from .memory import checkpoint_blocks
+        checkpoint_blocks(model)
     dataset = fns.dataset(cfg)
     _check_dataset(cfg, dataset)
     loss_fn = fns.loss(cfg)

@@ -73,6 +73,13 @@ def test_pipelines_name_the_options_for_a_model_they_cannot_cut(no_launch):
     assert "list of stage modules" in str(err.value)
 
 
+def test_activation_checkpointing_a_model_it_cannot_cut_is_refused_before_launch(no_launch):
+    with pytest.raises(ValueError, match="checkpoints each block of an nn.Sequential") as err:
+        experiment.run(SMALL.replace(checkpoint=True), model_fn=lambda cfg: TinyTransformer(),
+                       data_fn=global_rng_data)
+    assert "set checkpoint=False" in str(err.value)
+
+
 def test_a_list_of_stage_modules_is_a_pipeline():
     def stages(cfg):
         return [nn.Sequential(nn.Linear(32, 64), nn.ReLU()), nn.Linear(64, 10)]
