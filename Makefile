@@ -48,6 +48,7 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/ddp_overhead.py
 	$(BIN)/python benchmarks/comm_overhead.py
 	$(BIN)/python benchmarks/load_balance.py
+	$(BIN)/python benchmarks/sched_speed.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

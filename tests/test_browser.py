@@ -37,7 +37,7 @@ def lab(tmp_path_factory):
     """JupyterLab on loopback over a copy of the notebooks, with this interpreter's kernel."""
     root = tmp_path_factory.mktemp("lab")
     for nb in ("01_data_parallel.ipynb", "02_model_parallel.ipynb", "03_communication.ipynb",
-               "04_load_balancing.ipynb"):
+               "04_load_balancing.ipynb", "08_scheduling.ipynb"):
         shutil.copy(REPO / "notebooks" / nb, root / nb)
     home = tmp_path_factory.mktemp("jupyter")     # no user settings, kernels or news pop-ups
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"),
@@ -340,5 +340,27 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
     shown = panel_output(page)
     page.screenshot(path=str(OUT / "browser-04-static.png"), full_page=True)
     assert "static, slow 1:3" in shown and "dynamic, slow 1:3" in shown, shown[:800]
+    assert not kernel_ranks(lab)
+    page.close()
+
+
+def test_scheduling_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "08_scheduling.ipynb")
+    wait_status(page, r"done: 3 policies on 4x8", 10)
+
+    # as a person: 8 nodes (typed into the slider's readout), Run; the panel names the new cluster
+    readout = page.locator(".widget-slider:has(label:text-is('nodes')) .widget-readout")
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("8")
+    page.keyboard.press("Enter")
+    wait_status(page, r"ready: 300 jobs .* on 8x8 \(64 GPUs\)", 10)
+    page.click(".widget-button:has-text('Run')")
+    status = wait_status(page, r"done: 3 policies on 8x8", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-08-after-run.png"), full_page=True)
+    assert "lowest mean JCT" in status, status
+    assert "on 8x8 (64 GPUs)" in shown and "Allocations under fifo" in shown, shown[:800]
     assert not kernel_ranks(lab)
     page.close()
