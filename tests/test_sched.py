@@ -240,3 +240,15 @@ def test_replay_checks_its_input_before_running():
     with pytest.raises(ValueError, match="unknown policy"):
         replay.check(3, ["fifo", "nope"], calibration=replay.Calibration({1: 1.0, 2: 1.5},
                                                                          {1: 0.1, 2: 0.1}, 0.0))
+
+
+def test_speed_benchmark_quick(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/sched_speed.py", "--quick", "--json",
+                          str(tmp_path / "b.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("slowest policy / goal ratio: ")
+    import json
+    times = json.loads((tmp_path / "b.json").read_text())["times_s"]
+    from labkit.sched.policies import POLICIES
+    assert set(times) == set(POLICIES)

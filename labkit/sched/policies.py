@@ -155,32 +155,47 @@ def greedy_targets(states, policy: Policy, now: float, total_gpus: int) -> dict:
 
 def elastic_targets(states, policy: Policy, now: float, total_gpus: int,
                     gpus_per_node: int) -> dict:
-    """Pollux-like allocation: one worker each in key order while GPUs last, then each GPU to
-    the largest marginal speed-up (spanning nodes costs the curve's spread factor); a job
-    stops growing where one more worker gains nothing."""
+    """Pollux-like allocation: one worker each in key order while GPUs last, then each spare GPU
+    to the largest marginal speed-up (spanning nodes costs the curve's spread factor). A job's
+    gains are made non-increasing (a running minimum: it grows past a node boundary only while
+    that still pays) and stop at the first that gains nothing; then giving GPUs one by one to
+    the largest gain is picking the largest gains overall (ties: key order, then fewer workers),
+    which numpy does at once."""
+    import numpy as np
     order = sorted(states, key=lambda s: policy.key(s, now))
-    target, free = {}, total_gpus
-    for s in order[:total_gpus]:
-        target[s.job.job_id] = 1
-    free -= len(target)
-    curve_of = {s.job.job_id: s.job.curve for s in order}
-    tables: dict = {}
-
-    def gains(c) -> list[float]:                   # gains[k]: speed-up of worker k + 1 over k
-        if id(c) not in tables:
-            sp = [c(k, k > gpus_per_node) / c(1) for k in range(1, c.max_workers + 1)]
-            tables[id(c)] = [0.0] + [b - a for a, b in zip(sp, sp[1:])] + [0.0]
-        return tables[id(c)]
-    heap = [(-gains(curve_of[j])[1], j) for j in target]
-    heapq.heapify(heap)
-    while free > 0 and heap:
-        g, jid = heapq.heappop(heap)
-        if -g <= 1e-9:
-            break
-        target[jid] += 1
-        free -= 1
-        k = target[jid]
-        table = gains(curve_of[jid])
-        if k < len(table) - 1:
-            heapq.heappush(heap, (-table[k], jid))
+    target = {s.job.job_id: 1 for s in order[:total_gpus]}
+    free = total_gpus - len(target)
+    if free <= 0 or not target:
+        return target
+    groups: dict = {}                              # jobs sharing a curve share its gains
+    for rank, s in enumerate(order[:len(target)]):
+        groups.setdefault(id(s.job.curve), (s.job.curve, []))[1].append(rank)
+    gains, who, ks = [], [], []
+    for curve, ranks in groups.values():
+        g = _gain_table(curve, gpus_per_node)
+        if len(g):
+            gains.append(np.tile(g, len(ranks)))
+            who.append(np.repeat(np.array(ranks), len(g)))
+            ks.append(np.tile(np.arange(len(g)), len(ranks)))
+    if not gains:
+        return target
+    gains, who, ks = np.concatenate(gains), np.concatenate(who), np.concatenate(ks)
+    pick = np.lexsort((ks, who, -gains))[:free]
+    for rank, n in zip(*np.unique(who[pick], return_counts=True)):
+        target[order[int(rank)].job.job_id] += int(n)
     return target
+
+
+_GAINS: dict = {}
+
+
+def _gain_table(curve, gpus_per_node: int):
+    """Speed-up gained by worker k + 1 over k (k = 1, 2, ...), non-increasing, positive only."""
+    import numpy as np
+    key = (id(curve), gpus_per_node)
+    if key not in _GAINS or _GAINS[key][0] is not curve:
+        sp = [curve(k, k > gpus_per_node) / curve(1) for k in range(1, curve.max_workers + 1)]
+        g = np.minimum.accumulate(np.diff(np.array(sp))) if len(sp) > 1 else np.zeros(0)
+        stop = int(np.argmax(g <= 1e-9)) if (g <= 1e-9).any() else len(g)
+        _GAINS[key] = (curve, g[:stop])
+    return _GAINS[key][1]

@@ -128,6 +128,9 @@ class Simulator:
         self.jobs = [j.fresh() for j in sorted(jobs, key=lambda j: (j.arrival_s, j.job_id))]
         self.record = record_gantt
         self.free_nodes = [cluster.gpus_per_node] * cluster.nodes
+        # nodes by their free GPUs, so best fit looks at G+1 buckets, not every node
+        self.nodes_with = [set() for _ in range(cluster.gpus_per_node + 1)]
+        self.nodes_with[cluster.gpus_per_node].update(range(cluster.nodes))
         self.free = cluster.gpus
         self.events: list = []
         self.seq = itertools.count()
@@ -294,39 +297,42 @@ class Simulator:
 
     # ---- one job's allocation ----------------------------------------------------------------
 
+    def _take(self, node: int, count: int) -> None:
+        """Change a node's free GPUs by -count (negative: give back), keeping the buckets."""
+        f = self.free_nodes[node]
+        self.nodes_with[f].discard(node)
+        self.free_nodes[node] = f - count
+        self.nodes_with[f - count].add(node)
+
     def place(self, k: int) -> tuple:
         free, G = self.free_nodes, self.cluster.gpus_per_node
         if self.cluster.placement == "consolidated" and k <= G:
-            best = None
-            for i, f in enumerate(free):              # best fit: the fullest node with room
-                if f >= k and (best is None or f < free[best]):
-                    best = i
-                    if f == k:
-                        break
-            if best is not None:
-                free[best] -= k
-                return ((best, k),)
-        got, need = [], k
+            for f in range(k, G + 1):                 # best fit: the fullest node with room
+                if self.nodes_with[f]:
+                    node = min(self.nodes_with[f]) if f == G else next(iter(self.nodes_with[f]))
+                    self._take(node, k)
+                    return ((node, k),)
+        counts: dict = {}
         if self.cluster.placement == "spread":        # one GPU from each of the emptiest nodes
             order = sorted(range(len(free)), key=lambda i: -free[i])
-            counts = {}
+            need = k
             while need:
                 for i in order:
                     if need and free[i] > counts.get(i, 0):
                         counts[i] = counts.get(i, 0) + 1
                         need -= 1
-            for i, c in counts.items():
-                free[i] -= c
-            return tuple(sorted(counts.items()))
-        for i in sorted(range(len(free)), key=lambda i: -free[i]):   # spill over the emptiest
-            take = min(free[i], need)
-            if take:
-                free[i] -= take
-                got.append((i, take))
-                need -= take
-            if not need:
-                break
-        return tuple(got)
+        else:                                         # spill over the emptiest nodes
+            need = k
+            for i in sorted(range(len(free)), key=lambda i: -free[i]):
+                take = min(free[i], need)
+                if take:
+                    counts[i] = take
+                    need -= take
+                if not need:
+                    break
+        for i, c in counts.items():
+            self._take(i, c)
+        return tuple(sorted(counts.items()))
 
     def start(self, s: _State, k: int, now: float) -> None:
         s.settle(now)
@@ -361,7 +367,7 @@ class Simulator:
         s.settle(now)
         self._segment(s, now)
         for node, c in s.nodes:
-            self.free_nodes[node] += c
+            self._take(node, -c)
         self.free += s.alloc
         s.alloc, s.nodes, s.rate = 0, (), 0.0
         s.version += 1
