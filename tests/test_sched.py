@@ -100,13 +100,13 @@ def test_startup_cost_and_gantt():
 
 
 def test_every_policy_finishes_every_job_and_is_deterministic():
-    jobs = traces.generate(300, rate_per_hour=traces.rate_for_load(1.2, 32), seed=3,
+    jobs = traces.generate(200, rate_per_hour=traces.rate_for_load(1.0, 32), seed=3,
                            high_priority=0.2, curves=("good", "poor"))
     from labkit.sched.policies import POLICIES
     for p in POLICIES:
         first, again = sim.simulate(jobs, "4x8", p), sim.simulate(jobs, "4x8", p)
         a = first.metrics()
-        assert a == again.metrics() and a["jobs"] == 300, p
+        assert a == again.metrics() and a["jobs"] == 200, p
         busy = sum(g["gpus"] * (g["end_s"] - g["start_s"]) for g in first.gantt)
         assert busy / 3600 == pytest.approx(a["gpu_hours"]), p       # the Gantt accounts for all
 

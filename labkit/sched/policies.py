@@ -162,27 +162,33 @@ def elastic_targets(states, policy: Policy, now: float, total_gpus: int,
     the largest gain is picking the largest gains overall (ties: key order, then fewer workers),
     which numpy does at once."""
     import numpy as np
-    order = sorted(states, key=lambda s: policy.key(s, now))
-    target = {s.job.job_id: 1 for s in order[:total_gpus]}
+    order = sorted(states, key=lambda s: policy.key(s, now))[:total_gpus]
+    target = {s.job.job_id: 1 for s in order}
     free = total_gpus - len(target)
     if free <= 0 or not target:
         return target
     groups: dict = {}                              # jobs sharing a curve share its gains
-    for rank, s in enumerate(order[:len(target)]):
-        groups.setdefault(id(s.job.curve), (s.job.curve, []))[1].append(rank)
+    for rank, s in enumerate(order):
+        c = s.job.curve
+        if id(c) in groups:
+            groups[id(c)][1].append(rank)
+        else:
+            groups[id(c)] = (c, [rank])
     gains, who, ks = [], [], []
     for curve, ranks in groups.values():
         g = _gain_table(curve, gpus_per_node)
         if len(g):
-            gains.append(np.tile(g, len(ranks)))
-            who.append(np.repeat(np.array(ranks), len(g)))
-            ks.append(np.tile(np.arange(len(g)), len(ranks)))
+            n = len(ranks)
+            gains.append(np.broadcast_to(g, (n, len(g))).ravel())
+            who.append(np.repeat(np.asarray(ranks), len(g)))
+            ks.append(np.broadcast_to(np.arange(len(g)), (n, len(g))).ravel())
     if not gains:
         return target
     gains, who, ks = np.concatenate(gains), np.concatenate(who), np.concatenate(ks)
     pick = np.lexsort((ks, who, -gains))[:free]
-    for rank, n in zip(*np.unique(who[pick], return_counts=True)):
-        target[order[int(rank)].job.job_id] += int(n)
+    extra = np.bincount(who[pick], minlength=len(order))
+    for rank in np.flatnonzero(extra).tolist():
+        target[order[rank].job.job_id] += int(extra[rank])
     return target
 
 

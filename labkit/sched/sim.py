@@ -229,6 +229,9 @@ class Simulator:
                 target = greedy_targets(states, p, now, self.cluster.gpus)
             self.apply(target, now)
             return
+        if self.free == 0:                            # between rounds nothing can start
+            if p.elastic or p.round_s:
+                return
         if p.elastic:                                 # between rounds: one worker per newcomer
             for s in sorted((s for s in self.active.values() if not s.alloc),
                             key=lambda s: p.key(s, now)):
@@ -323,11 +326,13 @@ class Simulator:
                         need -= 1
         else:                                         # spill over the emptiest nodes
             need = k
-            for i in sorted(range(len(free)), key=lambda i: -free[i]):
-                take = min(free[i], need)
-                if take:
+            for f in range(G, 0, -1):
+                for i in sorted(self.nodes_with[f]):
+                    take = min(f, need)
                     counts[i] = take
                     need -= take
+                    if not need:
+                        break
                 if not need:
                     break
         for i, c in counts.items():
