@@ -140,6 +140,7 @@ class Simulator:
         self.gantt: list[dict] = []
         self.busy_gpu_s = 0.0
         self.round_pending = False
+        self.fill_order: list = []                   # round policies: who fills free GPUs next
         self.changed = True                          # arrivals or finishes since the last round
         self.n_events = 0
 
@@ -162,6 +163,7 @@ class Simulator:
                     s = _State(by_id[jid])
                     self.active[jid] = s
                     self.enqueue(s, now)
+                    self.fill_order.append(s)
                     self.changed = acted = True
                 elif kind == FINISH:
                     s = self.active.get(jid)
@@ -227,6 +229,8 @@ class Simulator:
                                          self.cluster.gpus_per_node)
             else:
                 target = greedy_targets(states, p, now, self.cluster.gpus)
+                self.fill_order = sorted((s for s in states if s.job.job_id not in target),
+                                         key=lambda s: p.key(s, now))
             self.apply(target, now)
             return
         if self.free == 0:                            # between rounds nothing can start
@@ -239,11 +243,18 @@ class Simulator:
                     break
                 self.start(s, 1, now)
             return
-        if p.round_s:                                 # between rounds: fill, never preempt
-            for s in sorted((s for s in self.active.values() if not s.alloc),
-                            key=lambda s: p.key(s, now)):
-                if s.job.gpus <= self.free:
+        if p.round_s:                                 # between rounds: fill, never preempt,
+            # in the last round's ranking (then newcomers by arrival): re-ranking every waiting
+            # job at every event made a loaded cluster's time-sharing policies slow
+            self.fill_order = [s for s in self.fill_order if s.job.finish_s is None]
+            smallest = min((s.job.gpus for s in self.fill_order if not s.alloc), default=None)
+            if smallest is None or smallest > self.free:
+                return
+            for s in self.fill_order:
+                if not s.alloc and s.job.gpus <= self.free:
                     self.start(s, s.job.gpus, now)
+                    if self.free == 0:
+                        break
             return
         while True:
             best = self.best_waiting()
