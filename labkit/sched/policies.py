@@ -5,7 +5,8 @@ A policy is a ranking of jobs (``key``: smaller is served first) plus a few flag
 
 * ``preemptive``: a waiting job may take GPUs from running jobs ranked strictly below it;
 * ``round_s``: the whole allocation is recomputed every round (time-sharing policies whose
-  ranking changes while jobs wait); between rounds, free GPUs go to waiting jobs in key order;
+  ranking changes while jobs wait); between rounds, free GPUs go to waiting jobs in the last
+  round's ranking, newcomers after them by arrival;
 * ``elastic``: the policy also picks how many workers each job gets (``elastic_targets``).
 
 Every policy is work-conserving: a job that does not fit is skipped and smaller ones behind it
