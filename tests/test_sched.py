@@ -233,6 +233,21 @@ def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process():
     assert _children() - before == set()
 
 
+def test_replay_resizes_an_elastic_job_for_real():
+    from labkit.sched import replay
+    cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)   # 2 workers gain 0.5
+    trace = [replay.ReplayJob(0, 0.0, 1, 80), replay.ReplayJob(1, 0.2, 1, 10),
+             replay.ReplayJob(2, 0.4, 1, 10)]
+    before = _children()
+    jobs, gantt = replay.execute(trace, "elastic", cal)
+    assert all(j.finish_s is not None for j in jobs)
+    # the short jobs finish; at the next round the long one, alone, grows to 2 workers: its
+    # 1-worker run is stopped and its checkpoint resumed by a 2-rank ddp run
+    assert jobs[0].restarts >= 1
+    assert any(g["job_id"] == 0 and g["gpus"] == 2 for g in gantt), gantt
+    assert _children() - before == set()
+
+
 def test_replay_checks_its_input_before_running():
     from labkit.sched import replay
     with pytest.raises(ValueError, match="3 to 12 jobs"):
