@@ -2,7 +2,6 @@
 errors, determinism by seed, the CLI's argument checks and the real replay on a 3-job trace."""
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 

@@ -36,7 +36,6 @@ Policies (the papers they follow, in the simplified form a teaching simulator ca
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
