@@ -362,9 +362,11 @@ class ReplayReport:
 
 def check(n: int | Sequence[ReplayJob], policies: Sequence[str], *, seed: int = 0,
           calibration: Calibration | None = None, log: Callable[[str], None] | None = None,
-          cancel: threading.Event | None = None, **trace_options) -> ReplayReport:
+          cancel: threading.Event | None = None, recalibrate: bool = False,
+          **trace_options) -> ReplayReport:
     """Calibrate (unless given), replay ``n`` jobs (or your trace) under each policy for real,
-    simulate the same, and compare."""
+    simulate the same, and compare. ``recalibrate``: measure again before every policy (on a
+    machine whose other load changes, one calibration goes stale within minutes)."""
     for p in policies:
         make_policy(p)                                  # a bad name fails before anything runs
     trace = list(n) if not isinstance(n, int) else small_trace(n, seed, **trace_options)
@@ -373,7 +375,11 @@ def check(n: int | Sequence[ReplayJob], policies: Sequence[str], *, seed: int = 
             log("calibrating: 1 and 2 workers, start-up and resume ...")
         calibration = calibrate()
     rows, per_job, real, simulated = [], [], {}, {}
-    for p in policies:
+    for i, p in enumerate(policies):
+        if recalibrate and i:
+            if log:
+                log("calibrating again ...")
+            calibration = calibrate()
         if log:
             log(f"replaying {len(trace)} jobs under {p} ...")
         jobs, gantt = execute(trace, p, calibration, log=log, cancel=cancel)
