@@ -53,6 +53,7 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/elastic.py
 	$(BIN)/python benchmarks/memory_precision.py
 	$(BIN)/python benchmarks/sync_async.py
+	$(BIN)/python benchmarks/sched_speed.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -433,9 +433,11 @@ def _schedule_replay(args, policies) -> int:
     print(f"replay: {args.generate} short labkit runs on {replay.CORES} CPU cores, policies "
           f"{', '.join(policies)}; measuring this machine's curves and restart cost first",
           flush=True)
-    report = replay.check(args.generate, policies, seed=args.seed, log=print)
+    report = replay.check(args.generate, policies, seed=args.seed, log=print, recalibrate=True)
     print(report.table.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
     print(report.summary())
+    print("(measured again before each policy: other programs' load drifts; the summary's "
+          "measurements are the last policy's)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.as_dict(), f, indent=1)

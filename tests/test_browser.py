@@ -436,5 +436,23 @@ def test_sync_async_panel_in_a_browser(lab, browser):
     assert "fastest to" in status or "run(s) in the table" in status, status
     assert "ddp@2 slow 1:2.5" in shown and "async_ps@3 slow 1:2.5" in shown, shown[:800]
     assert "Staleness" in shown, shown[:800]
+def test_scheduling_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "08_scheduling.ipynb")
+    wait_status(page, r"done: 3 policies on 4x8", 10)
+
+    # as a person: 8 nodes (typed into the slider's readout), Run; the panel names the new cluster
+    readout = page.locator(".widget-slider:has(label:text-is('nodes')) .widget-readout")
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("8")
+    page.keyboard.press("Enter")
+    wait_status(page, r"ready: 300 jobs .* on 8x8 \(64 GPUs\)", 10)
+    page.click(".widget-button:has-text('Run')")
+    status = wait_status(page, r"done: 3 policies on 8x8", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-08-after-run.png"), full_page=True)
+    assert "lowest mean JCT" in status, status
+    assert "on 8x8 (64 GPUs)" in shown and "Allocations under fifo" in shown, shown[:800]
     assert not kernel_ranks(lab)
     page.close()

@@ -193,10 +193,11 @@ def _checkpointed_step(folder: str) -> int:
 
 def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *,
             folder: str | None = None, tick_s: float = 0.05, timeout_s: float = 300.0,
-            log: Callable[[str], None] | None = None, cancel: threading.Event | None = None):
+            log: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+            round_s: float = ROUND_S):
     """Run ``trace`` for real under ``policy``; returns the jobs (with real start, finish,
     restarts) and the real allocation segments."""
-    pol = make_policy(policy, round_s=ROUND_S, thresholds=LAS_THRESHOLDS)
+    pol = make_policy(policy, round_s=round_s, thresholds=LAS_THRESHOLDS)
     own = folder is None
     folder = folder or tempfile.mkdtemp(prefix=f"labkit-sched-{pol.name}-")
     jobs = {j.job_id: calibration.job(j.job_id, j.arrival_s, j.workers, j.steps, j.priority)
@@ -206,7 +207,7 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
     active: dict[int, _State] = {}
     handles: dict[int, _Handle] = {}
     gantt: list[dict] = []
-    free, next_round, changed = CORES, ROUND_S, False
+    free, next_round, changed = CORES, round_s, False
     levels: dict[int, int] = {}
     t0 = time.monotonic()
 
@@ -361,9 +362,11 @@ class ReplayReport:
 
 def check(n: int | Sequence[ReplayJob], policies: Sequence[str], *, seed: int = 0,
           calibration: Calibration | None = None, log: Callable[[str], None] | None = None,
-          cancel: threading.Event | None = None, **trace_options) -> ReplayReport:
+          cancel: threading.Event | None = None, recalibrate: bool = False,
+          **trace_options) -> ReplayReport:
     """Calibrate (unless given), replay ``n`` jobs (or your trace) under each policy for real,
-    simulate the same, and compare."""
+    simulate the same, and compare. ``recalibrate``: measure again before every policy (on a
+    machine whose other load changes, one calibration goes stale within minutes)."""
     for p in policies:
         make_policy(p)                                  # a bad name fails before anything runs
     trace = list(n) if not isinstance(n, int) else small_trace(n, seed, **trace_options)
@@ -372,7 +375,11 @@ def check(n: int | Sequence[ReplayJob], policies: Sequence[str], *, seed: int = 
             log("calibrating: 1 and 2 workers, start-up and resume ...")
         calibration = calibrate()
     rows, per_job, real, simulated = [], [], {}, {}
-    for p in policies:
+    for i, p in enumerate(policies):
+        if recalibrate and i:
+            if log:
+                log("calibrating again ...")
+            calibration = calibrate()
         if log:
             log(f"replaying {len(trace)} jobs under {p} ...")
         jobs, gantt = execute(trace, p, calibration, log=log, cancel=cancel)

@@ -128,6 +128,9 @@ class Simulator:
         self.jobs = [j.fresh() for j in sorted(jobs, key=lambda j: (j.arrival_s, j.job_id))]
         self.record = record_gantt
         self.free_nodes = [cluster.gpus_per_node] * cluster.nodes
+        # nodes by their free GPUs, so best fit looks at G+1 buckets, not every node
+        self.nodes_with = [set() for _ in range(cluster.gpus_per_node + 1)]
+        self.nodes_with[cluster.gpus_per_node].update(range(cluster.nodes))
         self.free = cluster.gpus
         self.events: list = []
         self.seq = itertools.count()
@@ -137,6 +140,7 @@ class Simulator:
         self.gantt: list[dict] = []
         self.busy_gpu_s = 0.0
         self.round_pending = False
+        self.fill_order: list = []                   # round policies: who fills free GPUs next
         self.changed = True                          # arrivals or finishes since the last round
         self.n_events = 0
 
@@ -159,6 +163,7 @@ class Simulator:
                     s = _State(by_id[jid])
                     self.active[jid] = s
                     self.enqueue(s, now)
+                    self.fill_order.append(s)
                     self.changed = acted = True
                 elif kind == FINISH:
                     s = self.active.get(jid)
@@ -224,8 +229,13 @@ class Simulator:
                                          self.cluster.gpus_per_node)
             else:
                 target = greedy_targets(states, p, now, self.cluster.gpus)
+                self.fill_order = sorted((s for s in states if s.job.job_id not in target),
+                                         key=lambda s: p.key(s, now))
             self.apply(target, now)
             return
+        if self.free == 0:                            # between rounds nothing can start
+            if p.elastic or p.round_s:
+                return
         if p.elastic:                                 # between rounds: one worker per newcomer
             for s in sorted((s for s in self.active.values() if not s.alloc),
                             key=lambda s: p.key(s, now)):
@@ -233,11 +243,18 @@ class Simulator:
                     break
                 self.start(s, 1, now)
             return
-        if p.round_s:                                 # between rounds: fill, never preempt
-            for s in sorted((s for s in self.active.values() if not s.alloc),
-                            key=lambda s: p.key(s, now)):
-                if s.job.gpus <= self.free:
+        if p.round_s:                                 # between rounds: fill, never preempt,
+            # in the last round's ranking (then newcomers by arrival): re-ranking every waiting
+            # job at every event made a loaded cluster's time-sharing policies slow
+            self.fill_order = [s for s in self.fill_order if s.job.finish_s is None]
+            smallest = min((s.job.gpus for s in self.fill_order if not s.alloc), default=None)
+            if smallest is None or smallest > self.free:
+                return
+            for s in self.fill_order:
+                if not s.alloc and s.job.gpus <= self.free:
                     self.start(s, s.job.gpus, now)
+                    if self.free == 0:
+                        break
             return
         while True:
             best = self.best_waiting()
@@ -294,39 +311,44 @@ class Simulator:
 
     # ---- one job's allocation ----------------------------------------------------------------
 
+    def _take(self, node: int, count: int) -> None:
+        """Change a node's free GPUs by -count (negative: give back), keeping the buckets."""
+        f = self.free_nodes[node]
+        self.nodes_with[f].discard(node)
+        self.free_nodes[node] = f - count
+        self.nodes_with[f - count].add(node)
+
     def place(self, k: int) -> tuple:
         free, G = self.free_nodes, self.cluster.gpus_per_node
         if self.cluster.placement == "consolidated" and k <= G:
-            best = None
-            for i, f in enumerate(free):              # best fit: the fullest node with room
-                if f >= k and (best is None or f < free[best]):
-                    best = i
-                    if f == k:
-                        break
-            if best is not None:
-                free[best] -= k
-                return ((best, k),)
-        got, need = [], k
+            for f in range(k, G + 1):                 # best fit: the fullest node with room
+                if self.nodes_with[f]:
+                    node = min(self.nodes_with[f]) if f == G else next(iter(self.nodes_with[f]))
+                    self._take(node, k)
+                    return ((node, k),)
+        counts: dict = {}
         if self.cluster.placement == "spread":        # one GPU from each of the emptiest nodes
             order = sorted(range(len(free)), key=lambda i: -free[i])
-            counts = {}
+            need = k
             while need:
                 for i in order:
                     if need and free[i] > counts.get(i, 0):
                         counts[i] = counts.get(i, 0) + 1
                         need -= 1
-            for i, c in counts.items():
-                free[i] -= c
-            return tuple(sorted(counts.items()))
-        for i in sorted(range(len(free)), key=lambda i: -free[i]):   # spill over the emptiest
-            take = min(free[i], need)
-            if take:
-                free[i] -= take
-                got.append((i, take))
-                need -= take
-            if not need:
-                break
-        return tuple(got)
+        else:                                         # spill over the emptiest nodes
+            need = k
+            for f in range(G, 0, -1):
+                for i in sorted(self.nodes_with[f]):
+                    take = min(f, need)
+                    counts[i] = take
+                    need -= take
+                    if not need:
+                        break
+                if not need:
+                    break
+        for i, c in counts.items():
+            self._take(i, c)
+        return tuple(sorted(counts.items()))
 
     def start(self, s: _State, k: int, now: float) -> None:
         s.settle(now)
@@ -361,7 +383,7 @@ class Simulator:
         s.settle(now)
         self._segment(s, now)
         for node, c in s.nodes:
-            self.free_nodes[node] += c
+            self._take(node, -c)
         self.free += s.alloc
         s.alloc, s.nodes, s.rate = 0, (), 0.0
         s.version += 1

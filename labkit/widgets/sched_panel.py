@@ -3,6 +3,7 @@ trace length; Run simulates every chosen policy on one generated trace and draws
 table, the JCT distributions, mean/p95 JCT per policy and the Gantt of the first policy."""
 from __future__ import annotations
 
+import html
 import threading
 
 import ipywidgets as W
@@ -80,7 +81,7 @@ class SchedPanel(BackgroundRun):
         for col in [c for c in shown if c.endswith("_s")]:
             shown[col.replace("_s", "_h")] = (shown.pop(col) / 3600).round(2)
         first = next(iter(self.runs))
-        return [shown.round(3), charts.jct_cdf(self.runs), charts.policy_bars(table),
+        return [f"<b>{html.escape(self.plan())}</b>", shown.round(3), charts.jct_cdf(self.runs), charts.policy_bars(table),
                 charts.gantt(self.runs[first], max_jobs=30)]
 
     def done_message(self, table: pd.DataFrame) -> str:
