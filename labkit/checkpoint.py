@@ -245,11 +245,11 @@ class Resume:
 
     ``start()`` continues from the folder's checkpoint if there is one (model, optimizer, data
     position, random streams) and returns the optimizer steps already taken; ``after_step``
-    appends the step to the timeline (global-batch loss, world size, attempt: the how-many-th
-    start of the group in this folder) and writes a
-    checkpoint every ``cfg.checkpoint_every`` steps and after the last one. The data position
-    is kept in samples of the global batch, so a run can continue at another world size: the
-    same global batch is re-sharded over the ranks there are now.
+    appends the step to the timeline (global-batch loss, world size, attempt: which start of
+    the group in this folder trained it) and writes a checkpoint every ``cfg.checkpoint_every``
+    steps and after the last one. The data position is kept in samples of the global batch, so
+    a run can continue at another world size: the same global batch is re-sharded over the
+    ranks there are now.
     """
 
     def __init__(self, cfg, ctx, model, optimizer, data, notes: list[str]):

@@ -334,6 +334,7 @@ class ElasticJob:
                 procs += [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 pass
+        procs += [p for p in self._orphans() if p not in procs]
         for p in procs:
             try:
                 p.terminate()
@@ -352,6 +353,17 @@ class ElasticJob:
             except subprocess.TimeoutExpired:
                 pass
         _LIVE.discard(self)
+
+    def _orphans(self) -> list[psutil.Process]:
+        """Workers of this job whose agent is gone (torchrun tells each its run id)."""
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if _is_worker(p) and p.environ().get("TORCHELASTIC_RUN_ID") == self.run_id:
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
 
     def __enter__(self) -> "ElasticJob":
         return self

@@ -99,17 +99,17 @@ def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     cfg = RunConfig(strategy="single", world_size=1)
     _save(tmp_path, cfg, step=3)
     size = os.path.getsize(tmp_path / "checkpoint.pt")
-    # a child whose files may not grow past 4 KiB: the write of a bigger model fails half-way
-    code = ("import resource, signal, torch; from torch import nn; from labkit import checkpoint;"
-            "from labkit.config import RunConfig\n"
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
-            "m = nn.Linear(256, 256); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-            "try:\n checkpoint.save(%r, step=9, epoch=0, offset=0, world_size=1, "
-            "cfg=RunConfig(strategy='single', world_size=1), model=m, optimizer=o, rng=[])\n"
-            "except checkpoint.CheckpointError as e: print('refused', e)\n") % str(tmp_path)
-    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
-    assert "refused" in r.stdout and "intact" in r.stdout, r.stdout + r.stderr
+    # files may not grow past 4 KiB for a moment: the write of a bigger model fails half-way
+    # (EFBIG, as a full disk's ENOSPC would), after the temporary file was created
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(checkpoint.CheckpointError, match="previous one.*intact"):
+            _save(tmp_path, cfg, step=9, model=nn.Linear(256, 256))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
     assert checkpoint.load(str(tmp_path), cfg).step == 3
     assert os.path.getsize(tmp_path / "checkpoint.pt") == size
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
