@@ -298,6 +298,10 @@ class Resume:
                                   f"{len(ck.rng)} rank(s)' random streams: the others (dropout) "
                                   f"were reseeded; the data and update are the same")
             step, resumed = ck.step, ck.step
+            if step >= self.cfg.warmup + self.cfg.steps:
+                self.notes.append(f"the checkpoint in {self.folder} is at step {step}, this run "
+                                  f"ends at {self.cfg.warmup + self.cfg.steps}: nothing was left "
+                                  f"to train (raise steps, or use another checkpoint_dir)")
         # One number for the whole job: torchrun's restart count is per agent, and a membership
         # change restarts workers without counting; every start of the group counts here.
         if self.ctx.is_main:
