@@ -38,6 +38,9 @@ from .config import RunConfig
 # in whole seconds: how long an agent waits for the group to reach MIN nodes (join), how long it
 # waits for more once MIN is there (last_call, 30 s by default: the main cost of a join here),
 # and how soon a silent agent counts as gone (keep_alive_interval x keep_alive_max_attempt).
+# They are read as whole seconds (``get_as_int``), so 1 s is the floor. torchrun's own
+# --monitor-interval (how often an agent looks at its workers and for waiting nodes) is already
+# 0.1 s in torch 2.14.1, and is left alone.
 FAST_RDZV = {"join_timeout": 20, "last_call_timeout": 1, "close_timeout": 5,
              "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
 # torch 2.x shares the rendezvous TCP store with the workers by default; an agent that was rank
