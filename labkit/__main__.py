@@ -55,6 +55,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="resume from the checkpoint in this folder, and write one there")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="optimizer steps between checkpoints (0: after the last step only)")
+    g.add_argument("--pace", type=float, default=d.pace_s,
+                   help="seconds each step lasts at least (sleeps the rest; demos of elasticity)")
 
 
 # RunConfig field -> the flag that sets it, so a config error can name what to type instead
@@ -66,7 +68,8 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "bucket_cap_mb": "--bucket-cap-mb", "accumulate": "--accumulate",
          "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
          "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every",
-         "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every"}
+         "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
+         "pace_s": "--pace"}
 
 
 def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
@@ -81,7 +84,8 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   bucket_cap_mb=args.bucket_cap_mb, accumulate=args.accumulate,
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
                   powersgd_rank=args.powersgd_rank,
-                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                  pace_s=args.pace)
     fields.update(override)
     try:
         return RunConfig(**fields)

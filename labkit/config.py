@@ -73,6 +73,8 @@ class RunConfig:
     # ---- elastic (labkit.checkpoint, labkit.elastic, notebook 07)
     checkpoint_dir: str | None = None  # resume from the checkpoint here, and write one to it
     checkpoint_every: int = 0    # optimizer steps between checkpoints (0: after the last step only)
+    pace_s: float = 0.0          # each step lasts at least this long (sleeps the rest, outside
+                                 # step_s): a bigger model's pace, so a demo has time to act
 
     def __post_init__(self) -> None:
         from .balance import parse_slowdown           # "1:2,0:1.5@10" or pairs -> triples
@@ -175,6 +177,8 @@ class RunConfig:
                              f"to {2 * self.world_size} or more")
 
     def _check_elastic(self) -> None:
+        if not self.pace_s >= 0:
+            raise ValueError(f"pace_s must be >= 0 seconds, got {self.pace_s}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: after the last step only), got "
                              f"{self.checkpoint_every}")

@@ -50,7 +50,7 @@ FAST_RDZV = {"join_timeout": 20, "last_call_timeout": 1, "close_timeout": 5,
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # RunConfig fields passed to the workers
 _PASS = ("steps", "warmup", "global_batch", "lr", "seed", "model", "width", "depth",
-         "dataset_size", "accumulate", "checkpoint_every", "timeout_s", "threads")
+         "dataset_size", "accumulate", "checkpoint_every", "timeout_s", "threads", "pace_s")
 
 
 def free_port() -> int:

@@ -157,6 +157,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
             rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
             if bal is not None:
                 bal.end_step(i - cfg.warmup)
+            if cfg.pace_s:                  # a slower model's pace, outside the measured step
+                time.sleep(max(0.0, cfg.pace_s - (time.perf_counter() - rec["start_s"])))
             if resume is not None:
                 rec["attempt"] = resume.attempt
                 resume.after_step(i + 1, total, rec["shard_loss"], samples, rec["step_s"])
