@@ -166,6 +166,12 @@ class ElasticJob:
     def check(cfg: RunConfig, nnodes: str | int, nproc_per_node: int = 1) -> tuple[int, int]:
         """(min, max) nodes, or a ValueError naming the fix, before any process starts."""
         lo, hi = check_nnodes(nnodes)
+        default = RunConfig()
+        unsaid = [f for f in ("in_features", "classes", "sync_batchnorm", "deterministic")
+                  if getattr(cfg, f) != getattr(default, f)]
+        if unsaid:                       # the workers are configured by labkit.worker's flags
+            raise ValueError(f"labkit.worker has no flag for {', '.join(unsaid)}: an elastic job "
+                             f"runs them at their defaults; reset them in the config")
         if cfg.strategy not in ("ddp", "ddp_naive"):
             raise ValueError(f"an elastic job runs ddp or ddp_naive (its world size changes), "
                              f"got {cfg.strategy!r}")
