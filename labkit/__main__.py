@@ -55,6 +55,8 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="resume from the checkpoint in this folder, and write one there")
     g.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
                    help="optimizer steps between checkpoints (0: after the last step only)")
+    g.add_argument("--pace", type=float, default=d.pace_s,
+                   help="seconds each step lasts at least (sleeps the rest; demos of elasticity)")
     # memory and mixed precision (notebook 05)
     g.add_argument("--precision", default=d.precision, help="fp32, bf16 or fp16 (autocast)")
     g.add_argument("--checkpoint", action="store_true",
@@ -81,6 +83,7 @@ FLAGS = {"steps": "--steps", "warmup": "--warmup", "global_batch": "--global-bat
          "comm_hook": "--comm-hook", "powersgd_rank": "--powersgd-rank", "slowdown": "--slowdown",
          "skew": "--skew", "rebalance": "--balance", "rebalance_every": "--rebalance-every",
          "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
+         "pace_s": "--pace",
          "precision": "--precision", "checkpoint": "--checkpoint",
          "period": "--period", "inner_lr": "--inner-lr", "outer_lr": "--outer-lr",
          "outer_momentum": "--outer-momentum", "staleness_lr": "--staleness-lr"}
@@ -99,6 +102,7 @@ def config_from_args(args: argparse.Namespace, **override) -> RunConfig:
                   sync_every_microstep=args.sync_every_microstep, comm_hook=args.comm_hook,
                   powersgd_rank=args.powersgd_rank,
                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                  pace_s=args.pace,
                   precision=args.precision, checkpoint=args.checkpoint,
                   period=args.period, inner_lr=args.inner_lr, outer_lr=args.outer_lr,
                   outer_momentum=args.outer_momentum, staleness_lr=args.staleness_lr)

@@ -245,11 +245,11 @@ class Resume:
 
     ``start()`` continues from the folder's checkpoint if there is one (model, optimizer, data
     position, random streams) and returns the optimizer steps already taken; ``after_step``
-    appends the step to the timeline (global-batch loss, world size, attempt: the how-many-th
-    start of the group in this folder) and writes a
-    checkpoint every ``cfg.checkpoint_every`` steps and after the last one. The data position
-    is kept in samples of the global batch, so a run can continue at another world size: the
-    same global batch is re-sharded over the ranks there are now.
+    appends the step to the timeline (global-batch loss, world size, attempt: which start of
+    the group in this folder trained it) and writes a checkpoint every ``cfg.checkpoint_every``
+    steps and after the last one. The data position is kept in samples of the global batch, so
+    a run can continue at another world size: the same global batch is re-sharded over the
+    ranks there are now.
     """
 
     def __init__(self, cfg, ctx, model, optimizer, data, notes: list[str]):
@@ -298,6 +298,10 @@ class Resume:
                                   f"{len(ck.rng)} rank(s)' random streams: the others (dropout) "
                                   f"were reseeded; the data and update are the same")
             step, resumed = ck.step, ck.step
+            if step >= self.cfg.warmup + self.cfg.steps:
+                self.notes.append(f"the checkpoint in {self.folder} is at step {step}, this run "
+                                  f"ends at {self.cfg.warmup + self.cfg.steps}: nothing was left "
+                                  f"to train (raise steps, or use another checkpoint_dir)")
         # One number for the whole job: torchrun's restart count is per agent, and a membership
         # change restarts workers without counting; every start of the group counts here.
         if self.ctx.is_main:

@@ -81,6 +81,8 @@ class RunConfig:
     # ---- elastic (labkit.checkpoint, labkit.elastic, notebook 07)
     checkpoint_dir: str | None = None  # resume from the checkpoint here, and write one to it
     checkpoint_every: int = 0    # optimizer steps between checkpoints (0: after the last step only)
+    pace_s: float = 0.0          # each step lasts at least this long (sleeps the rest, outside
+                                 # step_s): a bigger model's pace, so a demo has time to act
     # ---- memory and mixed precision (labkit.memory, labkit.precision, notebook 05): knobs of
     # the shared loop (single, dp, ddp, ddp_naive, zero1, fsdp)
     precision: str = "fp32"      # "bf16" / "fp16": torch.autocast (fp16 with a GradScaler)
@@ -201,6 +203,8 @@ class RunConfig:
                              f"to {2 * self.world_size} or more")
 
     def _check_elastic(self) -> None:
+        if not self.pace_s >= 0:
+            raise ValueError(f"pace_s must be >= 0 seconds, got {self.pace_s}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: after the last step only), got "
                              f"{self.checkpoint_every}")

@@ -38,6 +38,9 @@ from .config import RunConfig
 # in whole seconds: how long an agent waits for the group to reach MIN nodes (join), how long it
 # waits for more once MIN is there (last_call, 30 s by default: the main cost of a join here),
 # and how soon a silent agent counts as gone (keep_alive_interval x keep_alive_max_attempt).
+# They are read as whole seconds (``get_as_int``), so 1 s is the floor. torchrun's own
+# --monitor-interval (how often an agent looks at its workers and for waiting nodes) is already
+# 0.1 s in torch 2.14.1, and is left alone.
 FAST_RDZV = {"join_timeout": 20, "last_call_timeout": 1, "close_timeout": 5,
              "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
 # torch 2.x shares the rendezvous TCP store with the workers by default; an agent that was rank
@@ -47,7 +50,7 @@ FAST_RDZV = {"join_timeout": 20, "last_call_timeout": 1, "close_timeout": 5,
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # RunConfig fields passed to the workers
 _PASS = ("steps", "warmup", "global_batch", "lr", "seed", "model", "width", "depth",
-         "dataset_size", "accumulate", "checkpoint_every", "timeout_s", "threads")
+         "dataset_size", "accumulate", "checkpoint_every", "timeout_s", "threads", "pace_s")
 
 
 def free_port() -> int:
@@ -163,6 +166,12 @@ class ElasticJob:
     def check(cfg: RunConfig, nnodes: str | int, nproc_per_node: int = 1) -> tuple[int, int]:
         """(min, max) nodes, or a ValueError naming the fix, before any process starts."""
         lo, hi = check_nnodes(nnodes)
+        default = RunConfig()
+        unsaid = [f for f in ("in_features", "classes", "sync_batchnorm", "deterministic")
+                  if getattr(cfg, f) != getattr(default, f)]
+        if unsaid:                       # the workers are configured by labkit.worker's flags
+            raise ValueError(f"labkit.worker has no flag for {', '.join(unsaid)}: an elastic job "
+                             f"runs them at their defaults; reset them in the config")
         if cfg.strategy not in ("ddp", "ddp_naive"):
             raise ValueError(f"an elastic job runs ddp or ddp_naive (its world size changes), "
                              f"got {cfg.strategy!r}")
@@ -334,6 +343,7 @@ class ElasticJob:
                 procs += [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 pass
+        procs += [p for p in self._orphans() if p not in procs]
         for p in procs:
             try:
                 p.terminate()
@@ -352,6 +362,17 @@ class ElasticJob:
             except subprocess.TimeoutExpired:
                 pass
         _LIVE.discard(self)
+
+    def _orphans(self) -> list[psutil.Process]:
+        """Workers of this job whose agent is gone (torchrun tells each its run id)."""
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if _is_worker(p) and p.environ().get("TORCHELASTIC_RUN_ID") == self.run_id:
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
 
     def __enter__(self) -> "ElasticJob":
         return self

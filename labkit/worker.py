@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                                     *(n for part in gathered for n in part["notes"]),
                                     *records.attrs.pop("notes", [])]))
         records.attrs["notes"] = {f"{cfg.strategy}@{world_size}": notes} if notes else {}
-        print(format_table(summarize(records)))
+        if len(records):
+            print(format_table(summarize(records)))
         for note in notes:
             print(f"note: {note}")
         timeline = {}

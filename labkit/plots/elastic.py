@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 EVENT_COLORS = {"join": "#54a24b", "leave": "#f58518", "kill": "#e45756"}
@@ -16,18 +17,19 @@ def elastic_timeline(steps: pd.DataFrame, events: list[dict] | None = None, t0: 
     ``events``: ``ElasticJob.events`` (time.time() stamps), drawn as vertical lines."""
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=("world size", "loss (global batch)", "samples/s"))
-    for attempt, g in steps.groupby("attempt", sort=True):
-        label = f"attempt {attempt}"
+    palette = qualitative.Plotly
+    for n, (attempt, g) in enumerate(steps.groupby("attempt", sort=True)):
+        label, color = f"attempt {attempt}", palette[n % len(palette)]   # one colour per attempt
         hover = "step %{customdata}<br>%{y}<extra>" + label + "</extra>"
-        fig.add_trace(go.Scatter(x=g["time_s"], y=g["world_size"], mode="markers", name=label,
-                                 customdata=g["step"], hovertemplate=hover,
-                                 legendgroup=label, marker={"size": 4}), 1, 1)
-        fig.add_trace(go.Scatter(x=g["time_s"], y=g["loss"], mode="lines+markers", name=label,
-                                 customdata=g["step"], hovertemplate=hover, legendgroup=label,
-                                 showlegend=False, marker={"size": 3}), 2, 1)
-        fig.add_trace(go.Scatter(x=g["time_s"], y=g["samples_per_s"], mode="markers", name=label,
-                                 customdata=g["step"], hovertemplate=hover, legendgroup=label,
-                                 showlegend=False, marker={"size": 3}), 3, 1)
+        common = dict(name=label, customdata=g["step"], hovertemplate=hover, legendgroup=label)
+        fig.add_trace(go.Scatter(x=g["time_s"], y=g["world_size"], mode="markers",
+                                 marker={"size": 4, "color": color}, **common), 1, 1)
+        fig.add_trace(go.Scatter(x=g["time_s"], y=g["loss"], mode="lines+markers",
+                                 marker={"size": 3, "color": color}, line={"color": color},
+                                 showlegend=False, **common), 2, 1)
+        fig.add_trace(go.Scatter(x=g["time_s"], y=g["samples_per_s"], mode="markers",
+                                 marker={"size": 3, "color": color}, showlegend=False, **common),
+                      3, 1)
     for ev in events or []:
         x = ev["time"] - t0
         if ev["event"] == "join" and x <= 0.01:       # the first node: not a change

@@ -194,6 +194,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
             rec.update(meter.columns())
             if bal is not None:
                 bal.end_step(i - cfg.warmup)
+            if cfg.pace_s:                  # a slower model's pace, outside the measured step
+                time.sleep(max(0.0, cfg.pace_s - (time.perf_counter() - rec["start_s"])))
             if resume is not None:
                 rec["attempt"] = resume.attempt
                 resume.after_step(i + 1, total, rec["shard_loss"], samples, rec["step_s"])

@@ -122,8 +122,9 @@ def elastic_panel(base: RunConfig | None = None, *, run_now: bool = False,
                   max_nodes: int = 2) -> ElasticPanel:
     """Build the panel (``base``: the model and batch; its steps and checkpoint_every preset
     the sliders). ``run_now=True`` runs the preset once, without changes, before returning."""
-    panel = ElasticPanel(base or RunConfig(strategy="ddp", steps=400, warmup=0, width=64,
-                                           depth=2, global_batch=32, dataset_size=512),
+    panel = ElasticPanel(base or RunConfig(strategy="ddp", steps=2000, warmup=0, width=64,
+                                           depth=2, global_batch=32, dataset_size=512,
+                                           pace_s=0.05),
                          max_nodes=max_nodes)
     if run_now:
         panel.run()
