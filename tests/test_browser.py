@@ -372,7 +372,8 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
 
 def test_elastic_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "07_elastic.ipynb", timeout_s=480)
+    page = open_and_run_all(browser, lab, "07_elastic.ipynb", timeout_s=480,
+                            upto="labkit.elastic_panel(")
     wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 2000 steps", 10)
 
     # as a person: more steps (typed into the readout), Run, then a node joins with a click
@@ -400,7 +401,8 @@ def test_elastic_panel_in_a_browser(lab, browser):
 
 def test_memory_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "05_memory_precision.ipynb")
+    page = open_and_run_all(browser, lab, "05_memory_precision.ipynb",
+                            upto="labkit.memory_panel(")
     wait_status(page, r"done: fsdp@2, mlp 256x4", 10)
 
     # as a person: pick ZeRO-1 (the calculated bar redraws at once), then Run to measure it
@@ -419,7 +421,7 @@ def test_memory_panel_in_a_browser(lab, browser):
 
 def test_sync_async_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "06_sync_async.ipynb")
+    page = open_and_run_all(browser, lab, "06_sync_async.ipynb", upto="labkit.sync_panel(")
     wait_status(page, r"ready: ddp@2, async_ps@3", 10)
 
     # as a person: rank 1's slowdown typed into its slider's readout, then Run
@@ -438,7 +440,7 @@ def test_sync_async_panel_in_a_browser(lab, browser):
     assert "Staleness" in shown, shown[:800]
 def test_scheduling_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "08_scheduling.ipynb")
+    page = open_and_run_all(browser, lab, "08_scheduling.ipynb", upto="labkit.sched_panel(")
     wait_status(page, r"done: 3 policies on 4x8", 10)
 
     # as a person: 8 nodes (typed into the slider's readout), Run; the panel names the new cluster
