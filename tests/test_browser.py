@@ -438,6 +438,10 @@ def test_sync_async_panel_in_a_browser(lab, browser):
     assert "fastest to" in status or "run(s) in the table" in status, status
     assert "ddp@2 slow 1:2.5" in shown and "async_ps@3 slow 1:2.5" in shown, shown[:800]
     assert "Staleness" in shown, shown[:800]
+    assert not kernel_ranks(lab)
+    page.close()
+
+
 def test_scheduling_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
     page = open_and_run_all(browser, lab, "08_scheduling.ipynb", upto="labkit.sched_panel(")
