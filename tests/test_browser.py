@@ -397,6 +397,7 @@ def test_elastic_panel_in_a_browser(lab, browser):
             if any(k in " ".join(p.cmdline()) for k in ("torch.distributed.run", "labkit.worker"))
             and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, left
+    page.close()
 
 
 def test_memory_panel_in_a_browser(lab, browser):
