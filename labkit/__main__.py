@@ -470,6 +470,8 @@ def add_schedule_parser(sub) -> None:
                         "compare with the simulator fed with measured curves")
     p.add_argument("--json", help="write the metrics here")
     p.set_defaults(func=cmd_schedule)
+
+
 def cmd_memory(args) -> int:
     """Bytes per rank by category for each strategy, counted, and the calculator's error."""
     from .memory import measure, memory_table

@@ -238,10 +238,12 @@ class RunConfig:
             kind = resolve_device(self.device, self.ranks)
             if not fp16_supported(kind):
                 raise ValueError(f"fp16 autocast with a GradScaler is not supported on {kind} by "
-                                 f"this torch: use precision='bf16' (16 bits with fp32's range: no scaler)")
+                                 f"this torch: use precision='bf16' (16 bits with fp32's range: "
+                                 f"no scaler)")
             if self.strategy == "fsdp":
                 raise ValueError("fp16 with fsdp needs a GradScaler that agrees across shards, "
                                  "which labkit does not build: use precision='bf16' (no scaler)")
+
     def _check_sync_async(self) -> None:
         if self.period < 1:
             raise ValueError(f"period must be at least 1 (local steps between averaging rounds), "
