@@ -186,6 +186,14 @@ def wait_status(page, pattern: str, timeout_s: float) -> str:
     raise AssertionError(f"status never matched {pattern!r}; it said: {panel_status(page)}")
 
 
+def set_slider(page, label: str, value: str) -> None:
+    """Type a value into the readout of the slider labelled ``label``, as a person can."""
+    page.locator(f".widget-slider:has(label:text-is('{label}')) .widget-readout").click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type(value)
+    page.keyboard.press("Enter")
+
+
 def bar_fractions(page) -> list[float]:
     """How full each progress bar in the page is (0..1)."""
     return page.evaluate("""() => [...document.querySelectorAll('.widget-hprogress .progress-bar')]
@@ -344,11 +352,7 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
     wait_status(page, r"ready: ddp_naive@2 static, slow 1:2", 10)
 
     # as a person: rank 1's slider to 3 (typed into its readout), the dynamic policy, Run
-    readout = page.locator(".widget-slider:has(label:text-is('rank 1 slowdown')) .widget-readout")
-    readout.click()
-    page.keyboard.press("Control+A")
-    page.keyboard.type("3")
-    page.keyboard.press("Enter")
+    set_slider(page, "rank 1 slowdown", "3")
     page.click(".widget-toggle-button:has-text('dynamic')")
     wait_status(page, r"ready: ddp_naive@2 dynamic, slow 1:3", 10)
     page.click(".widget-button:has-text('Run')")
@@ -377,11 +381,7 @@ def test_elastic_panel_in_a_browser(lab, browser):
     wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 2000 steps", 10)
 
     # as a person: more steps (typed into the readout), Run, then a node joins with a click
-    readout = page.locator(".widget-slider:has(label:text-is('steps')) .widget-readout")
-    readout.click()
-    page.keyboard.press("Control+A")
-    page.keyboard.type("4000")
-    page.keyboard.press("Enter")
+    set_slider(page, "steps", "4000")
     wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 4000 steps", 10)
     page.click(".widget-button:has-text('Run')")
     wait_status(page, r"step \d+, world size 1", 120)
@@ -426,11 +426,7 @@ def test_sync_async_panel_in_a_browser(lab, browser):
     wait_status(page, r"ready: ddp@2, async_ps@3", 10)
 
     # as a person: rank 1's slowdown typed into its slider's readout, then Run
-    readout = page.locator(".widget-slider:has(label:text-is('rank 1 slowdown')) .widget-readout")
-    readout.click()
-    page.keyboard.press("Control+A")
-    page.keyboard.type("2.5")
-    page.keyboard.press("Enter")
+    set_slider(page, "rank 1 slowdown", "2.5")
     wait_status(page, r"ready: ddp@2 slow 1:2\.5, async_ps@3 slow 1:2\.5", 10)
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: ddp@2 slow 1:2\.5, async_ps@3 slow 1:2\.5; 2 run\(s\)", 180)
@@ -449,11 +445,7 @@ def test_scheduling_panel_in_a_browser(lab, browser):
     wait_status(page, r"done: 3 policies on 4x8", 10)
 
     # as a person: 8 nodes (typed into the slider's readout), Run; the panel names the new cluster
-    readout = page.locator(".widget-slider:has(label:text-is('nodes')) .widget-readout")
-    readout.click()
-    page.keyboard.press("Control+A")
-    page.keyboard.type("8")
-    page.keyboard.press("Enter")
+    set_slider(page, "nodes", "8")
     wait_status(page, r"ready: 300 jobs .* on 8x8 \(64 GPUs\)", 10)
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: 3 policies on 8x8", 120)
