@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import psutil
 
 from .checkpoint import read_timeline
 from .config import RunConfig
+from .launch import free_port
 
 # torchrun's rendezvous knobs (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py),
 # in whole seconds: how long an agent waits for the group to reach MIN nodes (join), how long it
@@ -51,12 +51,6 @@ AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # RunConfig fields passed to the workers
 _PASS = ("steps", "warmup", "global_batch", "lr", "seed", "model", "width", "depth",
          "dataset_size", "accumulate", "checkpoint_every", "timeout_s", "threads", "pace_s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_args(cfg: RunConfig) -> list[str]:

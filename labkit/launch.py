@@ -107,7 +107,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
         spec_store = ("127.0.0.1", store.port)
     else:
         spec_store = None
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     spec = {"world_size": world_size, "device": kind, "backend": backend, "threads": threads,
             "store": spec_store, "env": env, "timeout_s": timeout_s or 1800.0}
@@ -352,7 +352,8 @@ def _describe_exit(code: int | None) -> str:
     return "it called os._exit or crashed outside Python" if code else "no result was sent"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port nobody holds now (a fixed 29500 collides between notebooks)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -131,6 +131,8 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     resume = None if cfg.checkpoint_dir is None else Resume(
         cfg, ctx, unwrapped if unwrapped is not None else model, optimizer, data, notes)
     start = resume.start() if resume is not None else 0
+    # a straggler without a balancer (the sync/async modes) is timed on CPU seconds
+    cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
     with join_context(bal):
         for i in range(start, total):
             if until is not None and i >= cfg.warmup and until():
@@ -150,7 +152,6 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 probe.mark("data")
                 t_compute = time.perf_counter()
-                cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
                 c_compute = cpu() if cpu is not None else 0.0
                 plain = sync_now or not hasattr(model, "no_sync")
                 with nullcontext() if plain else model.no_sync():
