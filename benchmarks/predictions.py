@@ -5,14 +5,15 @@ pipeline bubble.
    default MLP and at width 1024). The network model is fitted on this run's all-reduce
    timings, the compute profile measured on concurrent ranks (``labkit.profile``), the step
    predicted by ``labkit.predict.step`` and set beside the measured median step (slowest rank)
-   with ``comm.knob_rows``, the same rows notebook 03 shows.
+   with ``comm.knob_rows``, the same rows notebook 03 shows: the medians of ``--rounds``
+   rounds (fit, profile, run), with the fastest and slowest run beside them.
 2. Pipeline bubble (issue 7's goal: predicted within 0.05 of measured at P=2, M in 1, 2, 4, 8,
    at the defaults and at width 1024 / batch 1024): measured, predicted from measured stage
    costs and hand-offs, and the closed form (P-1)/(M+P-1), per GPipe run.
 
 Rows whose ranks did not get their cores are flagged ``busy``: they are not the model's error.
 
-    .venv/bin/python benchmarks/predictions.py [--quick] [--json FILE]
+    .venv/bin/python benchmarks/predictions.py [--quick] [--rounds 3] [--json FILE]
 
 Last lines: ``predictor |error| at world size 2: ...`` and ``bubble |predicted - measured|: ...``.
 """
@@ -28,19 +29,33 @@ from labkit import RunConfig, comm, experiment, profile
 from labkit.predict import collectives
 
 
-def step_rows(quick: bool) -> pd.DataFrame:
+def step_rows(quick: bool, rounds: int) -> pd.DataFrame:
+    """One row per (model, strategy): the medians over ``rounds`` rounds, with the fastest and
+    slowest measured step beside them. A round fits the network, profiles each model and runs
+    ddp and ddp_naive on it, so each prediction is made from measurements taken minutes, not
+    seconds, apart from the run it predicts: one run's median step moved by up to +-30 % from
+    run to run here (gloo's thread wake-ups on 2 shared cores), and this VM's compute speed
+    drifts by ~10 % over seconds."""
     sizes = "1KiB-1MiB" if quick else "1KiB-16MiB"
-    table, _ = comm.benchmark(2, ["all_reduce"], sizes, repeats=3 if quick else 10)
-    network = collectives.fit_table(table.to_dict("records"), 2)
     steps = 4 if quick else 20
+    models = (("default MLP", RunConfig(world_size=2, steps=steps, global_batch=64)),
+              ("width 1024", RunConfig(world_size=2, steps=max(4, steps * 3 // 5), width=1024,
+                                       global_batch=256)))
     rows = []
-    for name, cfg in (("default MLP", RunConfig(world_size=2, steps=steps, global_batch=64)),
-                      ("width 1024", RunConfig(world_size=2, steps=max(4, steps * 3 // 5),
-                                               width=1024, global_batch=256))):
-        prof = profile.measure(cfg)
-        runs = [experiment.run(cfg.replace(strategy=s)) for s in ("ddp", "ddp_naive")]
-        rows.append(comm.knob_rows(runs, prof, network).assign(model=name))
-    return pd.concat(rows, ignore_index=True)
+    for r in range(rounds):
+        table, _ = comm.benchmark(2, ["all_reduce"], sizes, repeats=3 if quick else 15)
+        network = collectives.fit_table(table.to_dict("records"), 2)
+        for name, cfg in models:
+            prof = profile.measure(cfg)
+            runs = [experiment.run(cfg.replace(strategy=s)) for s in ("ddp", "ddp_naive")]
+            rows.append(comm.knob_rows(runs, prof, network).assign(model=name, round=r))
+    per_run = pd.concat(rows, ignore_index=True)
+    by = per_run.groupby(["model", "config"], sort=False)
+    med = by.median(numeric_only=True).drop(columns=["round", "error"])
+    med = med.assign(step_min_ms=by["step_ms"].min(), step_max_ms=by["step_ms"].max(),
+                     rounds=by.size(), busy=by["busy"].any())
+    med["error"] = (med["predicted_step_ms"] - med["step_ms"]) / med["step_ms"]
+    return med.reset_index()
 
 
 def bubble_rows(quick: bool) -> pd.DataFrame:
@@ -61,11 +76,13 @@ def bubble_rows(quick: bool) -> pd.DataFrame:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smoke run of a few seconds' work")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of fit + profile + runs (default 3)")
     p.add_argument("--json", help="write both tables here")
     args = p.parse_args(argv)
-    steps = step_rows(args.quick)
-    cols = ["model", "config", "step_ms", "predicted_step_ms", "error", "comm_ms",
-            "predicted_exposed_ms", "cpu_share", "busy"]
+    steps = step_rows(args.quick, 1 if args.quick else args.rounds)
+    cols = ["model", "config", "step_ms", "step_min_ms", "step_max_ms", "predicted_step_ms",
+            "error", "comm_ms", "predicted_exposed_ms", "cpu_share", "busy"]
     print(steps[cols].round(3).to_string(index=False))
     bubbles = bubble_rows(args.quick)
     print(bubbles.round(3).to_string(index=False))

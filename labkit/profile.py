@@ -9,6 +9,13 @@ It is measured the way the prediction will be used: on ``world_size`` rank proce
 at once with the threads each rank gets in a run (two ranks on two cores slow each other down
 through shared caches and memory bandwidth; a profile of one quiet process would not see it).
 The ranks do not communicate while profiling.
+
+A step that follows a wait computes more slowly than one that follows another step: while a
+rank sleeps in a collective its core idles, and what it computes next finds colder caches (and,
+in a virtual machine, a virtual CPU the host may have descheduled). On the 2-core VM labkit is
+tested on, a step of the default MLP took 2x as long after a 2 ms wait as back to back. So the
+profile also times whole steps after sleeping ``AFTER_WAIT_GAPS`` seconds (``after_wait_s``),
+and the predictor adds the extra for the wait it predicts.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from .factories import Factories, validate
 from .predict.step import Layer, Profile
 from .probes import sync
 
+AFTER_WAIT_GAPS = (0.0005, 0.002, 0.008, 0.032)    # seconds idle before a step
 
 def measure(cfg: RunConfig, *, world_size: int | None = None, model_fn=None, data_fn=None,
             loss_fn=None, optimizer_fn=None, repeats: int = 7, cancel=None) -> Profile:
@@ -60,6 +68,11 @@ def profile_rank(ctx: RankContext, cfg: RunConfig, fns: Factories, batch: int,
 
     x, y = (t.to(ctx.device) for t in next_batch())
     phases = step_phases(model, loss_fn, optimizer, next_batch, ctx.device, repeats)
+    warm = sum(phases.values())
+    after_wait = tuple(
+        (gap, max(0.0, sum(step_phases(model, loss_fn, optimizer, next_batch, ctx.device,
+                                       max(3, repeats - 2), gap_s=gap).values()) - warm))
+        for gap in AFTER_WAIT_GAPS)
     full = block_times(blocks, loss_fn, x, y, ctx.device, repeats)
     hb = max(1, batch // 2)
     half = block_times(blocks, loss_fn, x[:hb], y[:hb], ctx.device, repeats) if batch >= 2 else full
@@ -80,16 +93,29 @@ def profile_rank(ctx: RankContext, cfg: RunConfig, fns: Factories, batch: int,
     ddp_overhead = ddp_overhead_s(model, loss_fn, x, y, ctx, phases, repeats) if ctx.distributed else 0.0
     return Profile(batch, tuple(layers), optimizer_s=phases["optimizer"], data_s=phases["data"],
                    ddp_overhead_s=ddp_overhead, threads=torch.get_num_threads(),
-                   device=str(ctx.device),
+                   device=str(ctx.device), comm_shares_core=shares_core(ctx),
+                   after_wait_s=after_wait,
                    source=f"measured on {ctx.world_size} concurrent rank(s), "
                           f"{torch.get_num_threads()} thread(s) each")
 
 
-def step_phases(model, loss_fn, optimizer, next_batch, device, repeats: int) -> dict:
-    """Median seconds of each phase of a plain training step, timed as the training loop does."""
+def shares_core(ctx: RankContext) -> bool:
+    """Whether this rank's communication has to take turns with its compute for a core: on CPU
+    when the ranks' compute threads already fill every core (gloo's threads then run on a core
+    some rank is computing on)."""
+    from .env import cpu_cores
+    return ctx.device.type == "cpu" and ctx.world_size * torch.get_num_threads() >= cpu_cores()
+
+
+def step_phases(model, loss_fn, optimizer, next_batch, device, repeats: int,
+                gap_s: float = 0.0) -> dict:
+    """Median seconds of each phase of a plain training step, timed as the training loop does;
+    with ``gap_s``, each step after sleeping that long (as after waiting for a peer)."""
     names = ("data", "forward", "backward", "optimizer")
     samples = {k: [] for k in names}
     for r in range(repeats + 2):
+        if gap_s:
+            time.sleep(gap_s)
         marks = [time.perf_counter()]
         x, y = (t.to(device) for t in next_batch())
         sync(device)
@@ -198,7 +224,10 @@ def average(profiles: list[Profile]) -> Profile:
               mean(lambda p: p.layers[i].forward_fixed_s), mean(lambda p: p.layers[i].backward_fixed_s))
         for i, layer in enumerate(first.layers))
     return Profile(first.batch, layers, mean(lambda p: p.optimizer_s), mean(lambda p: p.data_s),
-                   mean(lambda p: p.ddp_overhead_s), first.threads, first.device, first.source)
+                   mean(lambda p: p.ddp_overhead_s), first.threads, first.device, first.source,
+                   first.comm_shares_core,
+                   tuple((gap, mean(lambda p: p.after_wait_s[i][1]))
+                         for i, (gap, _) in enumerate(first.after_wait_s)))
 
 
 def _intercept(t_full: float, t_half: float, b_full: int, b_half: int) -> float:

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,6 +83,37 @@ def test_ddp_prediction_overlaps_buckets_with_backward_exactly():
     assert p.step_s == pytest.approx(0.001 + 0.03 + 0.06 + 0.01 + 0.005)
     one = step.predict(synthetic_profile(), net, "ddp", 2, 20, bucket_cap_mb=100)
     assert one.exposed_s == pytest.approx(0.03) and len(one.buckets) == 1   # waits for all
+
+
+def test_ddp_overlap_on_a_shared_core_hides_nothing():
+    """gloo with no spare core: while a bucket reduces, it and backward each run at half speed."""
+    net = CollectiveModel.uniform(AlphaBeta(0.0, 1e8))   # 1 MB all-reduce at n=2: 10 ms
+    prof = replace(synthetic_profile(), comm_shares_core=True)
+    p = step.predict(prof, net, "ddp", 2, 20, bucket_cap_mb=0.9)
+    # bucket 0 ready at 20 ms, shares the core until 40 ms (10 ms of backward done, half of
+    # layer 1's); layer 1 ends at 50 ms; bucket 1 shares from 50 to 70 ms; layer 0's last 10 ms
+    # of backward alone to 80; bucket 2 alone from 80 to 90 ms
+    times = [b[k] for b in p.buckets for k in ("ready_s", "start_s", "end_s")]
+    assert times == pytest.approx([0.02, 0.02, 0.04, 0.05, 0.05, 0.07, 0.08, 0.08, 0.09])
+    assert p.exposed_s == pytest.approx(0.03)          # all of the 30 ms of communication
+    assert p.comm_total_s == pytest.approx(0.05)       # in flight longer, at half speed
+    assert p.step_s == pytest.approx(0.001 + 0.03 + 0.06 + 0.03 + 0.005)
+
+
+def test_compute_after_a_wait_is_interpolated_and_added():
+    prof = replace(synthetic_profile(), after_wait_s=((0.002, 0.004), (0.008, 0.003),
+                                                      (0.032, 0.010)))
+    assert prof.after_wait(0.0) == 0.0
+    assert prof.after_wait(0.001) == pytest.approx(0.002)      # on the line from (0, 0)
+    assert prof.after_wait(0.008) == pytest.approx(0.004)      # never less after a longer wait
+    assert prof.after_wait(0.020) == pytest.approx(0.007)
+    assert prof.after_wait(1.0) == pytest.approx(0.010)        # held at the longest gap's
+    net = CollectiveModel.uniform(AlphaBeta(1e-3, 1e8))       # 3 tensors x 12 ms = 36 ms
+    naive = step.predict(prof, net, "ddp_naive", 2, 20)
+    assert naive.after_wait_s == pytest.approx(prof.after_wait(0.036))
+    assert naive.step_s == pytest.approx(0.001 + 0.03 + 0.06 + 0.036 + 0.005 + naive.after_wait_s)
+    assert step.predict(prof, net, "single", 1, 10).after_wait_s == 0.0     # nothing to wait for
+    assert prof.on_device(1e12, "fast").after_wait(0.01) == 0.0            # not measured there
 
 
 def test_naive_accumulation_and_compression_predictions():

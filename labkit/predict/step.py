@@ -26,7 +26,13 @@ multiplies the bytes on the wire (``compression``: 0.5 for fp16/bf16).
 Compute scales with the batch as measured (``Profile.at_batch``: a line through the profile's
 two batch sizes, per layer). Each rank is assumed to compute as fast as when it was profiled:
 profile under the conditions you predict (same threads per rank, the same number of ranks
-computing at once), which ``labkit.profile.measure`` does.
+computing at once), which ``labkit.profile.measure`` does. Two effects of sharing a machine are
+measured there and modelled here, because on a CPU they are as large as the communication:
+
+* ``Profile.comm_shares_core``: gloo's all-reduce thread has no core of its own, so a bucket
+  reduced during backward slows backward down as much as it hides (``ddp_timeline``);
+* ``Profile.after_wait``: a step computes more slowly after its rank slept through the exposed
+  communication (cold caches, an idle core), added as ``StepPrediction.after_wait_s``.
 """
 from __future__ import annotations
 
@@ -68,6 +74,23 @@ class Profile:
     threads: int = 1
     device: str = "cpu"
     source: str = "measured"
+    comm_shares_core: bool = False    # gloo's thread has no core of its own (see ddp_timeline)
+    after_wait_s: tuple[tuple[float, float], ...] = ()   # (idle s before a step, extra s it took)
+
+    def after_wait(self, gap_s: float) -> float:
+        """Extra seconds a step computes for after its rank waited ``gap_s`` idle (cold caches,
+        an idle core): interpolated between the measured gaps, held at the longest one's, and
+        never decreasing with the gap. 0 where not measured (a preset or rescaled profile)."""
+        if gap_s <= 0 or not self.after_wait_s:
+            return 0.0
+        points, top = [(0.0, 0.0)], 0.0
+        for gap, extra in sorted(self.after_wait_s):
+            top = max(top, extra)
+            points.append((gap, top))
+        for (g0, e0), (g1, e1) in zip(points, points[1:]):
+            if gap_s <= g1:
+                return e0 + (e1 - e0) * (gap_s - g0) / (g1 - g0)
+        return points[-1][1]
 
     @property
     def grad_bytes(self) -> int:
@@ -101,7 +124,9 @@ class Profile:
         ratio = sum(x.forward_s + x.backward_s for x in layers) / max(
             1e-12, sum(x.forward_s + x.backward_s for x in self.layers))
         return replace(self, layers=layers, optimizer_s=self.optimizer_s * ratio,
-                       data_s=0.0, ddp_overhead_s=self.ddp_overhead_s * ratio, device=name, source=f"{self.source}, rescaled to {name}")
+                       data_s=0.0, ddp_overhead_s=self.ddp_overhead_s * ratio, device=name,
+                       source=f"{self.source}, rescaled to {name}", comm_shares_core=False,
+                       after_wait_s=())
 
 
 @dataclass
@@ -120,6 +145,7 @@ class StepPrediction:
     comm_bytes: float                 # payload bytes each rank all-reduces per optimizer step
     buckets: list[dict] = field(default_factory=list)
     bubble: float | None = None       # pipelines: mean idle share of the stages
+    after_wait_s: float = 0.0         # compute slowed by waiting (Profile.after_wait)
 
     @property
     def hidden_s(self) -> float:
@@ -127,7 +153,8 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        return self.data_s + self.forward_s + self.backward_s + self.exposed_s + self.optimizer_s
+        return (self.data_s + self.forward_s + self.backward_s + self.exposed_s
+                + self.optimizer_s + self.after_wait_s)
 
     @property
     def samples_per_s(self) -> float:
@@ -159,27 +186,64 @@ def bucket_layout(grad_bytes_ready_order: Sequence[int], bucket_cap_mb: float | 
 
 
 def ddp_timeline(layers: Sequence[Layer], network: CollectiveModel, world_size: int,
-                 bucket_cap_mb: float | None = None, compression: float = 1.0) -> tuple[float, float, list[dict]]:
+                 bucket_cap_mb: float | None = None, compression: float = 1.0,
+                 shares_core: bool = False) -> tuple[float, float, list[dict]]:
     """Overlap of bucketed all-reduces with backward: (total comm, exposed comm, buckets).
 
-    Times are from the start of backward; each bucket row has bytes, ready, start, end."""
-    ready_at, grads, t = [], [], 0.0
+    Times are from the start of backward; each bucket row has bytes, ready, start, end.
+    Exposed is how much later the last all-reduce (or backward) ends than backward alone would.
+
+    ``shares_core``: the all-reduce has no core of its own (gloo on CPU with every core already
+    computing: its thread and backward's take turns on the rank's core), so while both run each
+    goes at half speed, and overlap hides nothing: it only reorders the same CPU work. On a GPU
+    (NCCL's kernels beside backward's) or a CPU with spare cores, both run at full speed."""
+    ready_work, grads, t = [], [], 0.0
     for layer in reversed(layers):                   # backward runs the last layer first
         t += layer.backward_s
         for nbytes in reversed(layer.grad_bytes):
             grads.append(nbytes)
-            ready_at.append(t)
-    backward_end = t
-    rows, free = [], 0.0
-    for idx in bucket_layout(grads, bucket_cap_mb):
-        nbytes = sum(grads[i] for i in idx)
-        ready = max(ready_at[i] for i in idx)
-        start = max(ready, free)
-        free = start + network.time("all_reduce", nbytes * compression, world_size)
-        rows.append({"bytes": nbytes, "tensors": len(idx), "ready_s": ready, "start_s": start,
-                     "end_s": free})
+            ready_work.append(t)
+    backward_work = t
+    buckets = [(sum(grads[i] for i in idx), len(idx), max(ready_work[i] for i in idx))
+               for idx in bucket_layout(grads, bucket_cap_mb)]
+    rows: list[dict] = []
+    now = done = 0.0                        # wall clock; seconds of backward computed so far
+    backward_end = backward_work if not buckets else None
+    left = 0.0                              # seconds of the running all-reduce still to go
+    ready_wall = [None] * len(buckets)
+    while len(rows) < len(buckets) or left > 0:
+        for b, (_, _, ready) in enumerate(buckets):
+            if ready_wall[b] is None and done >= ready - 1e-12:
+                ready_wall[b] = now
+        if done >= backward_work - 1e-12 and backward_end is None:
+            backward_end = now
+        if left <= 0 and len(rows) < len(buckets) and ready_wall[len(rows)] is not None:
+            nbytes, tensors, _ = buckets[len(rows)]
+            left = network.time("all_reduce", nbytes * compression, world_size)
+            rows.append({"bytes": nbytes, "tensors": tensors, "ready_s": ready_wall[len(rows)],
+                         "start_s": now, "end_s": None})
+            continue
+        computing = done < backward_work - 1e-12
+        rate = 0.5 if (shares_core and computing and left > 0) else 1.0
+        steps = []
+        if computing:                       # to the next bucket's readiness, or backward's end
+            nxt = min((r for _, _, r in buckets if r > done + 1e-12), default=backward_work)
+            steps.append((min(nxt, backward_work) - done) / rate)
+        if left > 0:
+            steps.append(left / rate)
+        dt = min(steps)
+        now += dt
+        if computing:
+            done = min(backward_work, done + rate * dt)
+        if left > 0:
+            left -= rate * dt
+            if left <= 1e-12:
+                left, rows[-1]["end_s"] = 0.0, now
+    if backward_end is None:
+        backward_end = now
     total = sum(r["end_s"] - r["start_s"] for r in rows)
-    return total, max(0.0, free - backward_end), rows
+    end = max([backward_end] + [r["end_s"] for r in rows])
+    return total, max(0.0, end - backward_work), rows
 
 
 def predict(profile: Profile, network: CollectiveModel, strategy: str, world_size: int,
@@ -210,12 +274,15 @@ def predict(profile: Profile, network: CollectiveModel, strategy: str, world_siz
     if strategy == "ddp":
         pred.backward_s += accumulate * profile.ddp_overhead_s
         total, exposed, pred.buckets = ddp_timeline(micro.layers, network, ranks, bucket_cap_mb,
-                                                    compression)
+                                                    compression, profile.comm_shares_core)
         pred.comm_total_s, pred.exposed_s = syncs * total, syncs * exposed
     else:                                            # one all-reduce per tensor, after backward
         per_sync = sum(network.time("all_reduce", nbytes * compression, ranks)
                        for layer in micro.layers for nbytes in layer.grad_bytes)
         pred.comm_total_s = pred.exposed_s = syncs * per_sync
+    # a rank that waited for its peers computes its next work more slowly (Profile.after_wait):
+    # its compute thread sleeps through the exposed communication
+    pred.after_wait_s = syncs * profile.after_wait(pred.exposed_s / syncs)
     return pred
 
 
