@@ -203,17 +203,24 @@ class Balancer:
         return wait
 
     def end_step(self, step: int) -> None:
-        """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput."""
+        """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput;
+        and once before the first measured step, from the last warm-up step (the first one pays
+        one-off costs and is no evidence), so measured steps do not start from even shares."""
+        dynamic = self.cfg.rebalance == "dynamic"
         if step < 0:
-            self.window.clear()                  # warm-up steps pay one-off costs: not evidence
+            if dynamic and step == -1 and self.cfg.warmup >= 2:
+                self._rebalance(self.window[-1:])
+            self.window.clear()
             return
-        if self.cfg.rebalance != "dynamic" or (step + 1) % self.cfg.rebalance_every:
-            return
-        rates = [sum(n for _, n in (s[r] for s in self.window)) /
-                 max(1e-9, sum(c for c, _ in (s[r] for s in self.window)))
+        if dynamic and (step + 1) % self.cfg.rebalance_every == 0:
+            self._rebalance(self.window)
+            self.window.clear()
+
+    def _rebalance(self, window) -> None:
+        rates = [sum(n for _, n in (s[r] for s in window)) /
+                 max(1e-9, sum(c for c, _ in (s[r] for s in window)))
                  for r in range(self.world_size)]
         self.shares = split(self.cfg.global_batch, rates)
-        self.window.clear()
 
 
 def _global_batches(dataset, batch: int, seed: int):

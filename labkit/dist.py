@@ -216,6 +216,17 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_flat(tensors: list[torch.Tensor]) -> None:
+    """Sum each tensor over ranks in place, all of them in one message, as one DDP bucket does:
+    one latency for the lot instead of one per tensor (gloo's ~1 ms each on a busy CPU)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def gather_to_main(obj) -> list | None:
     """Collect one picklable object per rank on rank 0 (others get None)."""
     if not (dist.is_available() and dist.is_initialized()):

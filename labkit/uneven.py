@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.algorithms import Join, Joinable, JoinHook
 from torch.utils.data import DistributedSampler
 
+from .dist import all_reduce_flat
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -49,13 +51,18 @@ class JoinableSync(Joinable):
 
     def reduce(self, samples: int) -> None:
         n = torch.tensor([float(samples)], device=self.device)
-        dist.all_reduce(n)
+        grads = []
         for p in self.model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.mul_(samples)
-            dist.all_reduce(p.grad)
-            p.grad.div_(n)
+            grads.append(p.grad.mul_(samples))
+        all_reduce_flat([*grads, n])
+        for g in grads:
+            g.div_(n)
+
+    def numel(self) -> int:
+        """Elements of one ``reduce`` message: every parameter's, and the sample count."""
+        return sum(p.numel() for p in self.model.parameters()) + 1
 
     def join_hook(self, **kwargs) -> JoinHook:
         return _Shadow(self)
@@ -75,10 +82,8 @@ class _Shadow(JoinHook):
     def __init__(self, sync: JoinableSync):
         self.sync = sync
 
-    def main_hook(self) -> None:
-        dist.all_reduce(torch.zeros(1, device=self.sync.device))         # no samples from me
-        for p in self.sync.model.parameters():
-            dist.all_reduce(torch.zeros_like(p))
+    def main_hook(self) -> None:                     # no gradients, no samples from me
+        dist.all_reduce(torch.zeros(self.sync.numel(), device=self.sync.device))
 
 
 def join_context(balancer: "Balancer | None"):

@@ -109,6 +109,12 @@ def test_dynamic_shares_move_and_the_update_still_equals_single():
     assert shares.iloc[0] == 0.5 and shares.iloc[-1] < 0.45    # the slow rank was given less
 
 
+def test_dynamic_shares_start_from_the_last_warm_up_step():
+    cfg = BASE.replace(slowdown="1:3", rebalance="dynamic", rebalance_every=4, warmup=2, steps=2)
+    shares = experiment.run(cfg).records.query("rank == 1")["share"]
+    assert shares.iloc[0] < 0.45                   # not even: set before the first measured step
+
+
 def test_skewed_static_shares_equal_single_too():
     table = experiment.check(BASE.replace(skew=1.0), ["ddp_naive"], steps=4)
     assert table["ok"].all(), table.to_dict("records")

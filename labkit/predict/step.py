@@ -327,7 +327,7 @@ def predict_balance(profile: Profile, network: CollectiveModel, world_size: int,
                     policy: str = "static", weights: Sequence[float] | None = None) -> dict:
     """``ddp_naive`` on ranks of unequal speed (``labkit.balance``): each rank computes its share
     of the global batch ``slowdown[r]`` times slower than profiled, the step waits for the
-    slowest, then the all-reduce and the optimizer.
+    slowest, then one all-reduce of every gradient as a flat message, and the optimizer.
 
     ``policy="static"``: shares in proportion to ``weights`` (even, or the data skew);
     ``"dynamic"``: the shares the rebalancer settles on, where shares in proportion to measured
@@ -355,8 +355,7 @@ def predict_balance(profile: Profile, network: CollectiveModel, world_size: int,
     else:
         raise ValueError(f"policy must be static or dynamic, got {policy!r}")
     own = [compute(r, n) for r, n in enumerate(shares)]
-    comm = sum(network.time("all_reduce", nbytes, world_size)
-               for layer in profile.layers for nbytes in layer.grad_bytes) if world_size > 1 else 0.0
+    comm = network.time("all_reduce", profile.grad_bytes, world_size) if world_size > 1 else 0.0
     step = max(own) + comm + profile.optimizer_s
     ideal = sum(n / (c + profile.optimizer_s) for n, c in zip(shares, own))
     return {"policy": policy, "shares": shares, "compute_s": own,

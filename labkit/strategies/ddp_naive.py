@@ -4,14 +4,16 @@ Start from identical weights (broadcast from rank 0), and after every backward a
 gradient on its own and divide by the world size. Correct, but every all-reduce waits for the
 whole backward to finish and pays one latency per parameter tensor. Because the sync is one
 explicit point after backward, this is also where the load-balancing lab (``labkit.balance``)
-times each rank's wait for the slowest one and re-weights unequal shares of the batch.
+times each rank's wait for the slowest one and re-weights unequal shares of the batch; there
+the gradients go as one flat message (``all_reduce_flat``, one DDP bucket's worth), so that
+the lab's throughput measures the balance, not ten all-reduce latencies.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..dist import RankContext
+from ..dist import RankContext, all_reduce_flat
 from ..factories import Factories
 from ..balance import Balancer
 from ..probes import grad_bytes
@@ -36,6 +38,12 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     balancer = None
     if cfg.balancing:
         balancer = Balancer(cfg, ctx.rank, ctx.world_size, ctx.device, dataset)
+
+        def sync_grads() -> None:            # one message: what is measured is the balance,
+            grads = [p.grad for p in model.parameters() if p.grad is not None]   # not latency
+            all_reduce_flat(grads)
+            for g in grads:
+                g /= ctx.world_size
         if cfg.rebalance == "join":          # uneven inputs: the joinable twin of sync_grads
             balancer.joinable = JoinableSync(model, ctx.device)
             sync_grads = lambda: balancer.joinable.reduce(balancer.samples)  # noqa: E731
