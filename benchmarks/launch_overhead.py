@@ -1,10 +1,10 @@
 """How long it takes to start 2 ranks that each do one all-reduce: labkit vs mp.spawn (vs Accelerate).
 
-    python benchmarks/launch_overhead.py [--repeats 5] [--quick] [--json PATH]
+    python benchmarks/launch_overhead.py [--repeats 5] [--cold 3] [--quick] [--json PATH]
 
 labkit's first launch is timed in a fresh child interpreter, so its forkserver really starts cold
-(as in a new kernel); that child then stays alive and times every later launch when the parent
-asks, so the later launches interleave with ``torch.multiprocessing.spawn`` (and Accelerate's
+(as in a new kernel), ``--cold`` times over (the median is reported); the last child then stays
+alive and times every later launch when the parent asks, so the later launches interleave with ``torch.multiprocessing.spawn`` (and Accelerate's
 ``notebook_launcher``, if installed) round by round and drift on a busy machine hits all of them.
 Every number is end to end as the caller sees it: start processes, rendezvous, init the gloo
 group, one all_reduce, destroy, join. Medians are reported.
@@ -135,12 +135,21 @@ def _child_main() -> None:
 
 # ---- run, summarise, print ----------------------------------------------------------------------
 
-def measure(repeats: int, with_accelerate: bool) -> dict:
-    """One cold labkit launch, then ``repeats`` interleaved rounds; every sample in seconds."""
+def measure(repeats: int, with_accelerate: bool, cold: int = 3) -> dict:
+    """``cold`` first launches, each in its own fresh interpreter (one sample each, and the
+    machine's drift moves it by a few tenths of a second), then ``repeats`` interleaved rounds
+    in the last of them; every sample in seconds."""
     samples = {"labkit first launch": [], "labkit later launch": [], "mp.spawn": []}
     if with_accelerate:
         samples["accelerate notebook_launcher"] = []
+    imports = []
+    for _ in range(cold - 1):
+        child = LabkitChild()
+        imports.append(child.import_s)
+        samples["labkit first launch"].append(child.launch())
+        child.close()
     child = LabkitChild()
+    imports.append(child.import_s)
     try:
         samples["labkit first launch"].append(child.launch())
         for i in range(repeats):
@@ -157,7 +166,7 @@ def measure(repeats: int, with_accelerate: bool) -> dict:
                     samples[name].append(time_notebook_launcher())
     finally:
         child.close()
-    return {"labkit_import_s": child.import_s, "samples": samples}
+    return {"labkit_import_s": statistics.median(imports), "samples": samples}
 
 
 def summarise(measured: dict, with_accelerate: bool) -> dict:
@@ -208,18 +217,20 @@ def _torch_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
-    parser.add_argument("--quick", action="store_true", help="2 rounds: a smoke run")
+    parser.add_argument("--cold", type=int, default=3,
+                        help="first launches, each in a fresh interpreter (default 3)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 1 cold: a smoke run")
     parser.add_argument("--json", metavar="PATH", help="also write samples and medians here")
     parser.add_argument("--labkit-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.labkit_child:
         _child_main()
         return 0
-    repeats = 2 if args.quick else args.repeats
-    if repeats < 1:
-        parser.error("--repeats must be at least 1")
+    repeats, cold = (2, 1) if args.quick else (args.repeats, args.cold)
+    if repeats < 1 or cold < 1:
+        parser.error("--repeats and --cold must be at least 1")
     with_accelerate = accelerate_available()
-    measured = measure(repeats, with_accelerate)
+    measured = measure(repeats, with_accelerate, cold)
     summary = summarise(measured, with_accelerate)
     print_report(measured, summary, with_accelerate)
     if args.json:

@@ -70,7 +70,10 @@ def wait_gone(pids, timeout_s: float) -> list[int]:
         time.sleep(0.05)
 
 
-def assert_no_ranks() -> None:
-    """Right after a launch returns or raises, no rank may be running."""
+def assert_no_ranks(grace_s: float = 1.0) -> None:
+    """After a launch returns or raises, no rank may be running. A launch that returned has
+    SIGKILLed its ranks and reaps them on a background thread, so give a dying rank
+    ``grace_s`` to finish exiting (a rank that was never killed runs on, and fails this)."""
+    wait_gone([p.pid for p in live_ranks()], grace_s)
     left = live_ranks()
     assert not left, f"rank processes outlived the launch: {describe(left)}"
