@@ -34,6 +34,7 @@ from .probes import sync
 
 AFTER_WAIT_GAPS = (0.0005, 0.002, 0.008, 0.032)    # seconds idle before a step
 
+
 def measure(cfg: RunConfig, *, world_size: int | None = None, model_fn=None, data_fn=None,
             loss_fn=None, optimizer_fn=None, repeats: int = 7, cancel=None) -> Profile:
     """The profile of ``cfg``'s model at ``cfg.global_batch / (world_size * cfg.accumulate)``
