@@ -180,8 +180,14 @@ def test_balancing_cuts_the_slowest_stage():
         busy = df["forward_s"] + df["backward_s"]
         return busy.groupby(df["step"]).max().median()
 
-    before, after = run(cfg).records, run(cfg.replace(balance=True)).records
-    assert slowest(after) < 0.9 * slowest(before), (slowest(before), slowest(after))
+    # interleaved, the faster of two runs each: on a 2-core VM one run's median moved by 30 %
+    # (0.67-0.91 after/before in four single pairs; the partition predicts 0.70)
+    runs = {False: [], True: []}
+    for _ in range(2):
+        for balance in (False, True):
+            runs[balance].append(slowest(run(cfg.replace(balance=balance)).records))
+    before, after = min(runs[False]), min(runs[True])
+    assert after < 0.9 * before, runs
 
 
 # ---- the command line --------------------------------------------------------------------------
