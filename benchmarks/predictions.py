@@ -76,8 +76,8 @@ def bubble_rows(quick: bool) -> pd.DataFrame:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smoke run of a few seconds' work")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of fit + profile + runs (default 3)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of fit + profile + runs (default 5)")
     p.add_argument("--json", help="write both tables here")
     args = p.parse_args(argv)
     steps = step_rows(args.quick, 1 if args.quick else args.rounds)
