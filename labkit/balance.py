@@ -203,9 +203,12 @@ class Balancer:
         return wait
 
     def end_step(self, step: int) -> None:
-        """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput;
-        and once before the first measured step, from the last warm-up step (the first one pays
-        one-off costs and is no evidence), so measured steps do not start from even shares."""
+        """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput
+        over the last ``2 x rebalance_every`` steps (one step's compute time moved by +-20 % on
+        a shared 2-core machine; twice the evidence halves the shares' jitter, and a rank that
+        slows down still moves them at the next rebalance); and once before the first measured
+        step, from the last warm-up step (the first one pays one-off costs and is no evidence),
+        so measured steps do not start from even shares."""
         dynamic = self.cfg.rebalance == "dynamic"
         if step < 0:
             if dynamic and step == -1 and self.cfg.warmup >= 2:
@@ -213,8 +216,8 @@ class Balancer:
             self.window.clear()
             return
         if dynamic and (step + 1) % self.cfg.rebalance_every == 0:
+            del self.window[:-2 * self.cfg.rebalance_every]
             self._rebalance(self.window)
-            self.window.clear()
 
     def _rebalance(self, window) -> None:
         rates = [sum(n for _, n in (s[r] for s in window)) /
