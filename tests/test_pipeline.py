@@ -165,7 +165,7 @@ def test_every_rank_s_events_share_one_clock(impl, stages):
 
 # ---- stage balancing ---------------------------------------------------------------------------
 
-def test_balancing_cuts_the_slowest_stage():
+def test_balancing_evens_out_the_stages():
     cfg = RunConfig(strategy="pipeline_1f1b", world_size=2, stages=2, microbatches=4, steps=8,
                     warmup=1, model="unbalanced_mlp", width=512, depth=4, global_batch=256,
                     dataset_size=512, threads=1, timeout_s=120)
@@ -176,18 +176,15 @@ def test_balancing_cuts_the_slowest_stage():
     assert balanced != even
     assert max(timeline.stage_costs(costs, balanced)) < max(timeline.stage_costs(costs, even))
 
-    def slowest(df):          # per step, the busiest stage's compute: it sets the pipeline's pace
-        busy = df["forward_s"] + df["backward_s"]
-        return busy.groupby(df["step"]).max().median()
+    def imbalance(df):        # the busiest stage's compute over the idlest's (medians over steps)
+        per_stage = (df["forward_s"] + df["backward_s"]).groupby(df["rank"]).median()
+        return per_stage.max() / per_stage.min()
 
-    # interleaved, the faster of two runs each: on a 2-core VM one run's median moved by 30 %
-    # (0.67-0.91 after/before in four single pairs; the partition predicts 0.70)
-    runs = {False: [], True: []}
-    for _ in range(2):
-        for balance in (False, True):
-            runs[balance].append(slowest(run(cfg.replace(balance=balance)).records))
-    before, after = min(runs[False]), min(runs[True])
-    assert after < 0.9 * before, runs
+    # a ratio within each run, so the VM's drift (one run's step moved by 30 % from the next, and
+    # a fresh clone once measured both runs ~40 % slower than here) cancels; measured here:
+    # 6.3-7.6 with equal layer counts, 1.75-2.2 balanced
+    before, after = run(cfg).records, run(cfg.replace(balance=True)).records
+    assert imbalance(after) < 0.5 * imbalance(before), (imbalance(before), imbalance(after))
 
 
 # ---- the command line --------------------------------------------------------------------------
