@@ -11,6 +11,7 @@ repeated samples, or dropped ones.
 """
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -50,7 +51,7 @@ class JoinableSync(Joinable):
         return time.perf_counter() - t
 
     def reduce(self, samples: int) -> None:
-        n = torch.tensor([float(samples)], device=self.device)
+        n = torch.tensor([float(samples)], dtype=self.dtype, device=self.device)
         grads = []
         for p in self.model.parameters():
             if p.grad is None:
@@ -59,6 +60,13 @@ class JoinableSync(Joinable):
         all_reduce_flat([*grads, n])
         for g in grads:
             g.div_(n)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of one ``reduce`` message: the parameters' promoted with float32 (a sample
+        count is exact there; bf16 would round 1001 samples to 1000)."""
+        return functools.reduce(torch.promote_types, (p.dtype for p in self.model.parameters()),
+                                torch.float32)
 
     def numel(self) -> int:
         """Elements of one ``reduce`` message: every parameter's, and the sample count."""
@@ -83,7 +91,8 @@ class _Shadow(JoinHook):
         self.sync = sync
 
     def main_hook(self) -> None:                     # no gradients, no samples from me
-        dist.all_reduce(torch.zeros(self.sync.numel(), device=self.sync.device))
+        dist.all_reduce(torch.zeros(self.sync.numel(), dtype=self.sync.dtype,
+                                    device=self.sync.device))
 
 
 def join_context(balancer: "Balancer | None"):

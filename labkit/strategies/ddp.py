@@ -96,8 +96,7 @@ def register_hook(ddp_model: DDP, cfg: RunConfig, nbytes: int, notes: list[str])
 
     def timed_allreduce(st, bucket):
         # DDP's own all-reduce with one Python callback, not allreduce_hook's plus ours: on gloo
-        # a callback runs on gloo's thread and takes the GIL from backward (two cost ~5 % of a
-        # 13 ms step here)
+        # each callback runs on gloo's thread and has to take the GIL from backward
         t0, world = time.perf_counter(), dist.get_world_size()
         buf = bucket.buffer().div_(world)
 
