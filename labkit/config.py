@@ -22,6 +22,7 @@ STRATEGY_RANKS = {
     "hogwild": "world",
 }
 PIPELINE_STRATEGIES = ("model_parallel", "pipeline_gpipe", "pipeline_1f1b")
+DATA_PARALLEL = ("ddp", "ddp_naive", "zero1", "fsdp")   # may synchronise batch statistics
 MODELS = ("mlp", "cnn", "unbalanced_mlp")
 DEVICES = ("auto", "cpu", "cuda")
 PIPELINE_IMPLS = ("scratch", "torch")

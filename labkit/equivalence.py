@@ -27,11 +27,10 @@ from typing import Sequence
 import pandas as pd
 from torch import nn
 
-from .config import PIPELINE_STRATEGIES, RunConfig
+from .config import DATA_PARALLEL, PIPELINE_STRATEGIES, RunConfig
 from .env import resolve_device
 from .factories import Factories
 
-DATA_PARALLEL = ("ddp", "ddp_naive", "zero1", "fsdp")
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
             nn.FeatureAlphaDropout)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..balance import Balancer, straggle
 from ..checkpoint import Resume
-from ..config import RunConfig
+from ..config import DATA_PARALLEL, RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
@@ -24,8 +24,6 @@ from ..memory import MemoryMeter, checkpoint_blocks
 from ..precision import Amp
 from ..probes import StepProbe, cpu_seconds, sync
 from ..uneven import join_context
-
-DATA_PARALLEL = ("ddp", "ddp_naive", "zero1", "fsdp")  # may synchronise batch statistics
 
 
 def set_check_mode(cfg: RunConfig) -> None:
