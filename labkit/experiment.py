@@ -238,6 +238,14 @@ def combine(results: Sequence[RunResult]) -> pd.DataFrame:
 BUSY_SHARE = 0.6
 
 
+def cpu_share(records: pd.DataFrame) -> float:
+    """One run's CPU share: the least any rank got while computing, per step, median over steps
+    (NaN where it was not measured). Below ``BUSY_SHARE`` the run is flagged busy."""
+    if "compute_cpu_share" not in records:
+        return math.nan
+    return float(records.groupby("step")["compute_cpu_share"].min().median())
+
+
 def run_label(strategy: str, world_size: int, threads, variant: str = "") -> str:
     """How a run is named in tables and charts: ``ddp@2``; single says its thread count; a
     load-balancing run its policy and heterogeneity (``ddp_naive@2 dynamic, slow 1:2``)."""
@@ -333,8 +341,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
                      for _, g in runs]
     table["peak_mem_mb"] = [g["peak_mem_bytes"].max() / 2**20 for _, g in runs]
     if "compute_cpu_share" in records:
-        table["cpu_share"] = [float(g.groupby("step")["compute_cpu_share"].min().median())
-                              for _, g in runs]
+        table["cpu_share"] = [cpu_share(g) for _, g in runs]
         table["busy"] = table["cpu_share"] < BUSY_SHARE
     single = table[table["strategy"] == "single"].set_index("threads")["samples_per_s"]
     all_cores = single.loc[single.index.max()] if len(single) else math.nan

@@ -103,16 +103,14 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
     ``target`` (NaN if it never did), beside the whole run's throughput (samples per second of
     wall time), final smoothed loss, averaging rounds and staleness; ``cpu_share``/``busy`` as
     ``experiment.summarize`` reads them (the least share any rank got, median over steps)."""
-    from .experiment import BUSY_SHARE
+    from .experiment import BUSY_SHARE, cpu_share
     curves = updates(records, window)
     rows = []
     for (label, g), (_, recs) in zip(curves.groupby("run", sort=False), runs(records)):
         hit = g[g["loss_smooth"] <= target]
         first = hit.iloc[0] if len(hit) else None
         stale = g["staleness"].dropna()
-        cpu = recs["compute_cpu_share"].dropna() if "compute_cpu_share" in recs else pd.Series()
-        share = float(cpu.groupby(recs.loc[cpu.index, "step"]).min().median()) if len(cpu) \
-            else math.nan
+        share = cpu_share(recs)
         rows.append({
             "run": label, "strategy": g["strategy"].iloc[0],
             "updates_to_target": math.nan if first is None else int(first["update"]),
@@ -127,7 +125,7 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
             in ("local_sgd", "diloco") else (len(g) if g["strategy"].iloc[0] == "ddp" else 0),
             "staleness_mean": float(stale.mean()) if len(stale) else math.nan,
             "staleness_max": float(stale.max()) if len(stale) else math.nan,
-            "cpu_share": share, "busy": share < BUSY_SHARE if not math.isnan(share) else False})
+            "cpu_share": share, "busy": share < BUSY_SHARE})
     return pd.DataFrame(rows)
 
 
