@@ -93,7 +93,5 @@ def balance_panel(base: RunConfig | None = None, *, run_now: bool = False,
     controls). ``run_now=True`` runs the preset once before returning."""
     panel = BalancePanel(base or RunConfig(strategy="ddp_naive", slowdown="1:2"), factories)
     if run_now:
-        panel.run()
-        if panel.error is not None:
-            raise panel.error
+        panel.run_or_raise()
     return panel

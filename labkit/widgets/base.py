@@ -122,6 +122,14 @@ class BackgroundRun:
     def interrupt(self) -> None:
         self.stop("the kernel's Interrupt")
 
+    def run_or_raise(self):
+        """``run()``, raising what it raised instead of only showing it (a panel factory's
+        ``run_now=True``: the notebook cell fails where the run did)."""
+        results = self.run()
+        if self.error is not None:
+            raise self.error
+        return results
+
     def run(self):
         """Run the current settings in this thread; the results, or None if stopped or failed."""
         self._cancel.clear()

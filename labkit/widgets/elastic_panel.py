@@ -127,7 +127,5 @@ def elastic_panel(base: RunConfig | None = None, *, run_now: bool = False,
                                            pace_s=0.05),
                          max_nodes=max_nodes)
     if run_now:
-        panel.run()
-        if panel.error is not None:
-            raise panel.error
+        panel.run_or_raise()
     return panel

@@ -134,7 +134,5 @@ def memory_panel(base: RunConfig | None = None, *, run_now: bool = False) -> Mem
     panel = MemoryPanel(base or RunConfig(strategy="fsdp", steps=3, warmup=1, width=128,
                                           depth=3, global_batch=32))
     if run_now:
-        panel.run()
-        if panel.error is not None:
-            raise panel.error
+        panel.run_or_raise()
     return panel

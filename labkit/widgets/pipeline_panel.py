@@ -101,7 +101,5 @@ def pipeline_panel(base: RunConfig | None = None, *, run_now: bool = False,
     pieces (``labkit.factories``)."""
     panel = PipelinePanel(base or RunConfig(strategy="pipeline_1f1b"), max_stages, factories)
     if run_now:
-        panel.run()
-        if panel.error is not None:
-            raise panel.error
+        panel.run_or_raise()
     return panel

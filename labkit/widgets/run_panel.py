@@ -123,7 +123,5 @@ def run_panel(base: RunConfig | None = None, strategies: Sequence[str] | None = 
     panel = RunPanel(base or RunConfig(), strategies or list(STRATEGY_RANKS), selected,
                      max_world_size, charts, factories)
     if run_now:
-        panel.run()
-        if panel.error is not None:
-            raise panel.error
+        panel.run_or_raise()
     return panel

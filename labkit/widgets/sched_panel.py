@@ -94,7 +94,5 @@ def sched_panel(*, run_now: bool = False, **settings) -> SchedPanel:
     """Build the panel (``settings`` preset the controls); ``run_now=True`` simulates once."""
     panel = SchedPanel(**settings)
     if run_now:
-        panel.run()
-        if panel.error is not None:
-            raise panel.error
+        panel.run_or_raise()
     return panel

@@ -107,7 +107,5 @@ def sync_panel(base: RunConfig | None = None, modes=SYNC_ASYNC, *, run_now: bool
     server). ``run_now=True`` runs the preset once before returning."""
     panel = SyncPanel(base or RunConfig(steps=40, width=256, depth=2), modes, factories)
     if run_now:
-        panel.run()
-        if panel.error is not None:
-            raise panel.error
+        panel.run_or_raise()
     return panel
