@@ -130,11 +130,17 @@ def shard_numels(shapes: list[tuple], strategy: str, world_size: int) -> list[in
         per = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
         return [per] * world_size
     if strategy == "zero1":
-        loads = [0] * world_size
-        for n in sorted(numels, reverse=True):       # ZeroRedundancyOptimizer's greedy split
-            loads[loads.index(min(loads))] += n
-        return loads
+        return [sum(part) for part in zero1_partition(numels, world_size)]
     return [sum(numels)] * world_size
+
+
+def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
+    """The tensors (their element counts) each rank's optimizer owns under ZeRO-1:
+    ``ZeroRedundancyOptimizer``'s greedy split, largest first, to the least loaded rank."""
+    parts: list[list[int]] = [[] for _ in range(world_size)]
+    for n in sorted(numels, reverse=True):
+        min(parts, key=sum).append(n)
+    return parts
 
 
 def calculate(model: nn.Module, *, input_shape: tuple, classes: int, global_batch: int,
@@ -177,12 +183,7 @@ def _adam_steps(shapes, strategy: str, world_size: int) -> list[int]:
     """Adam keeps one 4-byte step counter per parameter tensor it updates."""
     if strategy != "zero1":
         return [len(shapes)] * world_size
-    loads, count = [0] * world_size, [0] * world_size
-    for n in sorted((math.prod(s) for s in shapes), reverse=True):
-        r = loads.index(min(loads))
-        loads[r] += n
-        count[r] += 1
-    return count
+    return [len(part) for part in zero1_partition([math.prod(s) for s in shapes], world_size)]
 
 
 def _check(strategy, world_size, precision, optimizer, recipe, global_batch, accumulate) -> None:
