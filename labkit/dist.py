@@ -216,6 +216,13 @@ def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def broadcast_parameters(model: torch.nn.Module, src: int = 0) -> None:
+    """Every rank starts from ``src``'s parameters, whatever the model factory did (what DDP
+    does at construction; the strategies that sync by hand do it themselves)."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=src)
+
+
 def all_reduce_flat(tensors: list[torch.Tensor]) -> None:
     """Sum each tensor over ranks in place, all of them in one message, as one DDP bucket does:
     one latency for the lot instead of one per tensor (gloo's ~1 ms each on a busy CPU)."""

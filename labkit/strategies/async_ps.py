@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..dist import RankContext
+from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
 from ..probes import peak_memory
 from .common import Progress, build_model, data_iter, final_state, train_loop
@@ -95,8 +95,7 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    for p in model.parameters():
-        dist.broadcast(p.data, src=0)
+    broadcast_parameters(model)
     if ctx.rank == 0:
         return serve(cfg, ctx, fns, model)
     return work(cfg, ctx, fns, model)

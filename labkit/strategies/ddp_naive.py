@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..dist import RankContext, all_reduce_flat
+from ..dist import RankContext, all_reduce_flat, broadcast_parameters
 from ..factories import Factories
 from ..balance import Balancer
 from ..probes import grad_bytes
@@ -23,8 +23,7 @@ from .common import build_model, data_iter, train_loop
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    for p in model.parameters():
-        dist.broadcast(p.data, src=0)
+    broadcast_parameters(model)
     dataset = fns.dataset(cfg)
     data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                         batch_size=cfg.batch_per_rank, dataset=dataset)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..dist import RankContext
+from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
 from ..probes import grad_bytes
 from .common import build_model, data_iter, train_loop
@@ -48,8 +48,7 @@ def outer_step(global_params: list[torch.Tensor], local_params: list[torch.Tenso
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    for p in model.parameters():
-        dist.broadcast(p.data, src=0)
+    broadcast_parameters(model)
     data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                         batch_size=cfg.batch_per_rank)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ..config import RunConfig
-from ..dist import RankContext
+from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
 from ..probes import grad_bytes
 from .common import build_model, data_iter, train_loop
@@ -27,8 +27,7 @@ from .common import build_model, data_iter, train_loop
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    for p in model.parameters():         # one starting point, whatever the model factory did
-        dist.broadcast(p.data, src=0)
+    broadcast_parameters(model)
     data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                         batch_size=cfg.batch_per_rank)
     group = dist.new_group(list(range(ctx.world_size)))
