@@ -36,11 +36,9 @@ def shared_buffer(path: str, numel: int) -> torch.Tensor:
 
 
 def share_parameters(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    """Point every parameter of ``model`` at its slice of ``flat`` (copy nothing)."""
-    offset = 0
-    for p in model.parameters():
-        p.data = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
+    """Point every parameter of ``model`` at its slice of ``flat`` (copy nothing): torch's
+    ``vector_to_parameters`` sets each ``param.data`` to a view of the vector."""
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
