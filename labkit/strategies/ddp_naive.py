@@ -28,22 +28,23 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
                         batch_size=cfg.batch_per_rank, dataset=dataset)
 
-    def sync_grads() -> None:
+    def per_tensor() -> None:                # one all-reduce per gradient, after backward
         for p in model.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 p.grad /= ctx.world_size
 
-    balancer = None
+    def one_message() -> None:               # balancing: what is measured is the balance,
+        grads = [p.grad for p in model.parameters() if p.grad is not None]   # not latency
+        all_reduce_flat(grads)
+        for g in grads:
+            g /= ctx.world_size
+
+    balancer, sync_grads = None, per_tensor
     if cfg.balancing:
         balancer = Balancer(cfg, ctx.rank, ctx.world_size, ctx.device, dataset)
-
-        def sync_grads() -> None:            # one message: what is measured is the balance,
-            grads = [p.grad for p in model.parameters() if p.grad is not None]   # not latency
-            all_reduce_flat(grads)
-            for g in grads:
-                g /= ctx.world_size
-        if cfg.rebalance == "join":          # uneven inputs: the joinable twin of sync_grads
+        sync_grads = one_message
+        if cfg.rebalance == "join":          # uneven inputs: the joinable twin of one_message
             balancer.joinable = JoinableSync(model, ctx.device)
             sync_grads = lambda: balancer.joinable.reduce(balancer.samples)  # noqa: E731
     return train_loop(cfg, ctx, model, data, strategy="ddp_naive", fns=fns, sync_grads=sync_grads,
