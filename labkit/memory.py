@@ -36,7 +36,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "rest")
+from .predict.memory import CATEGORIES        # the calculator's, so both name the same five
+
 COLUMNS = tuple(f"mem_{c}_bytes" for c in CATEGORIES)
 
 
@@ -97,16 +98,13 @@ class MemoryMeter:
     def begin(self, step: int) -> None:
         self.active = step == self.at_step
 
-    def _param_storages(self) -> dict[int, torch.UntypedStorage]:
-        return storages(self.model.parameters())
-
     @contextmanager
     def forward(self, *batch: torch.Tensor):
         """Watch what autograd saves during one micro-batch's forward; weigh it when it ends."""
         if not self.active:
             yield
             return
-        skip = set(self._param_storages()) | set(storages(batch))
+        skip = set(storages(self.model.parameters())) | set(storages(batch))
         acts: dict[int, torch.UntypedStorage] = {}
         copies: dict[int, torch.UntypedStorage] = {}
 
@@ -133,7 +131,7 @@ class MemoryMeter:
     def step(self) -> None:
         if not self.active:
             return
-        self.values["params"] = sum(s.nbytes() for s in self._param_storages().values())
+        self.values["params"] = storage_bytes(self.model.parameters())
         self.values["optimizer"] = storage_bytes(optimizer_tensors(self.optimizer))
         self.buffers = storage_bytes(self.model.buffers())
 
