@@ -374,6 +374,15 @@ def step_bubbles(records: pd.DataFrame, min_cpu_share: float | None = None,
     return per_step["bubble"]
 
 
+def bubble_error(records: pd.DataFrame, min_cpu_share: float | None = None) -> float:
+    """The median over steps of predicted minus measured bubble. Each step is predicted from
+    its own measured costs, so the error is read step by step; medians of the two columns taken
+    apart would pair one step's prediction with another step's measurement."""
+    diff = (step_bubbles(records, min_cpu_share, column="bubble_predicted")
+            - step_bubbles(records, min_cpu_share))
+    return float(diff.median()) if len(diff) else math.nan
+
+
 def phase_breakdown(records: pd.DataFrame) -> pd.DataFrame:
     """Seconds per phase of each run's median step, on the rank that gated it."""
     med = median_steps(records if "threads" in records else records.assign(threads=1))

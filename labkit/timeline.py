@@ -156,7 +156,8 @@ def gantt_vs_theory(events: Sequence[dict], schedule: str, stages: int,
         f"measured ({schedule}, P={stages}, M={microbatches}): bubble {measured:.2f}",
         f"predicted from this step's measured costs (hand-off "
         f"{1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
-        f"{1e3 * max(costs.gap_s, default=0):.2f} ms): bubble {predicted['bubble']:.2f}",
+        f"{1e3 * max(costs.gap_s, default=0):.2f} ms; mean costs drawn): expected bubble "
+        f"{predicted['bubble']:.2f}",
         f"closed form, equal stages and free hand-offs: (P-1)/(M+P-1) = "
         f"{theory_bubble(stages, microbatches):.2f}"))
     for row, evs in enumerate((events, predicted["events"], ideal), start=1):
@@ -171,10 +172,11 @@ def gantt_vs_theory(events: Sequence[dict], schedule: str, stages: int,
 
 def bubble_table(records, min_cpu_share: float | None = 0.9):
     """Per (schedule, M): the bubble measured, predicted and by the closed form (median step;
-    with ``min_cpu_share``, only steps where every rank had that share of a core)."""
+    with ``min_cpu_share``, only steps where every rank had that share of a core), and the
+    prediction's error (median over those steps of predicted minus measured)."""
     import pandas as pd
 
-    from .experiment import step_bubbles
+    from .experiment import bubble_error, step_bubbles
     rows = []
     for (schedule, M), g in records.groupby(["schedule", "microbatches"]):
         measured = step_bubbles(g, min_cpu_share)
@@ -182,6 +184,7 @@ def bubble_table(records, min_cpu_share: float | None = 0.9):
                      "bubble_fraction": measured.median(),
                      "bubble_predicted": step_bubbles(g, min_cpu_share,
                                                       "bubble_predicted").median(),
+                     "error": bubble_error(g, min_cpu_share),
                      "theory": theory_bubble(int(g["world_size"].iloc[0]), int(M)),
                      "clean_steps": len(measured)})
     return pd.DataFrame(rows)

@@ -107,14 +107,15 @@ def test_gpipe_holds_more_activation_bytes_than_1f1b():
 # against 0.11 at M=8) and only the prediction, which simulates the schedule on each step's
 # measured stage times, hand-offs and dispatch, can be right. At width 1024 and batch 1024
 # compute dominates (depth 5 with a 32-wide input makes the two stages equal).
-DEFAULTS = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, steps=10, warmup=2,
+DEFAULTS = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, steps=16, warmup=2,
                      threads=1, timeout_s=180)
-WIDE = DEFAULTS.replace(steps=8, warmup=1, global_batch=1024, width=1024, depth=5,
+WIDE = DEFAULTS.replace(steps=10, warmup=1, global_batch=1024, width=1024, depth=5,
                         dataset_size=1024)
 # Each record says what share of a core its rank got while it wanted one (compute_cpu_share);
 # a step counts only if every stage got at least 0.9. If other processes leave fewer than 2 such
 # steps, the measurement did not hold still and the test skips, saying so with the numbers (it
-# runs in CI, where nothing competes).
+# runs in CI, where nothing competes). The error held to the goal is per step (each step is
+# predicted from its own costs), its median over the clean steps: ``experiment.bubble_error``.
 CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, 0.05
 
 
@@ -122,7 +123,7 @@ CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, 0.05
 @pytest.mark.parametrize("size", ["defaults", "wide"])
 @pytest.mark.parametrize("schedule", ["pipeline_gpipe", "pipeline_1f1b"])
 def test_predicted_bubble_matches_measured_at_p2(schedule, size):
-    from labkit.experiment import step_bubbles
+    from labkit.experiment import bubble_error, step_bubbles
     base = DEFAULTS if size == "defaults" else WIDE
     measured, report = {}, {}
     for M in (1, 2, 4, 8):
@@ -136,8 +137,9 @@ def test_predicted_bubble_matches_measured_at_p2(schedule, size):
                         f"timings are not the pipeline's; measured {report}")
         measured[M] = report[M]["measured"] = round(float(clean.median()), 3)
         report[M]["predicted"] = round(float(predicted.median()), 3)
+        report[M]["error"] = round(bubble_error(df, CLEAN_SHARE), 3)
     for M in measured:
-        assert abs(report[M]["measured"] - report[M]["predicted"]) <= PREDICT_TOL, report
+        assert abs(report[M]["error"]) <= PREDICT_TOL, report
     if size == "wide":                 # compute-bound: the closed form holds where it should
         assert abs(measured[1] - 0.5) <= 0.05, report
         assert measured[8] < measured[1], report       # micro-batching fills the pipeline

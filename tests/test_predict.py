@@ -56,3 +56,19 @@ def test_costs_read_back_from_simulated_events(schedule, stages):
     assert got.gap_s == pytest.approx(costs.gap_s, abs=1e-12)
     assert predict_step(schedule, 4, got)["bubble"] == pytest.approx(
         predict_step(schedule, 4, costs)["bubble"])
+
+
+def test_noisy_costs_predict_the_expected_bubble_not_the_bubble_at_the_means():
+    # P=2, M=2, GPipe, every cost 1 except stage 1's forwards, each 0 or 2 (mean 1). Worked by
+    # hand over the four equally likely (a, b): stage 1's second forward ends at
+    # max(1 + a, 2) + b, the span is that plus 3, and the mean bubble is 1 - (6 + a + b) / (2 span):
+    # spans 5, 7, 6, 8 and bubbles 2/5, 3/7, 1/3, 3/8. At the means (a = b = 1): span 6, bubble 1/3.
+    costs = ScheduleCosts((1.0, 1.0), (1.0, 1.0), (0.0,), (0.0, 0.0),
+                          samples={("F", 1): (0.0, 2.0)})
+    at_means = predict_step("gpipe", 2, costs, draws=0)
+    assert at_means["span_s"] == 6.0 and at_means["bubble"] == pytest.approx(1 / 3)
+    expected = predict_step("gpipe", 2, costs, draws=4000)
+    assert expected["span_s"] == pytest.approx(26 / 4, abs=0.06)
+    assert expected["bubble"] == pytest.approx((2 / 5 + 3 / 7 + 1 / 3 + 3 / 8) / 4, abs=0.004)
+    assert expected["events"] == at_means["events"]       # the Gantt shows the means' schedule
+    assert predict_step("gpipe", 2, costs)["bubble"] == predict_step("gpipe", 2, costs)["bubble"]
