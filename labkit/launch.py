@@ -23,7 +23,7 @@ and returns the return values in rank order. What it guarantees, and how:
 from __future__ import annotations
 
 import faulthandler
-import multiprocessing as mp
+import gc
 import os
 import signal
 import sys
@@ -98,6 +98,7 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
     payload = _pack(fn, args, kwargs or {})
     threads = threads or max(1, cpu_cores() // world_size)
     ctx = _prewarm.context()
+    _prewarm.ensure_running(ctx)
 
     import torch.distributed as dist  # the parent holds the rendezvous store for this launch
     store = None
@@ -226,6 +227,7 @@ def _rank_main(payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path:
     threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True).start()
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=open(dump_path, "w"), all_threads=False)
+    gc.enable()                            # on already, unless the server's preload broke off
     os.environ.clear()                     # the forkserver's environment is from when it started
     os.environ.update(spec["env"])
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))

@@ -109,6 +109,21 @@ def test_ranks_come_from_a_forkserver_not_a_fork_of_the_caller(monkeypatch):
         assert r["env_mark"] == "caller environment"
 
 
+def _gc_state(ctx):
+    import gc
+    return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+
+
+def test_ranks_collect_garbage_over_the_frozen_preload_and_only_the_server_skipped_it():
+    # the forkserver preloads with collection off and freezes what it imported; ranks get it on
+    out = launch(_gc_state, 2, timeout_s=60, device="cpu")
+    for r in out:
+        assert r["enabled"], "a rank inherited the preload's disabled garbage collector"
+        assert r["frozen"] > 100_000, r            # torch's objects, frozen before the fork
+    import gc
+    assert gc.isenabled() and "LABKIT_FORKSERVER_PRELOADING" not in os.environ
+
+
 def test_closure_and_lambda_are_sent_by_value():
     offset = 41                                     # captured: only by-value pickling carries it
 
