@@ -47,6 +47,7 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/ddp_overhead.py
 	$(BIN)/python benchmarks/comm_overhead.py
+	$(BIN)/python benchmarks/comm_drift.py
 	$(BIN)/python benchmarks/load_balance.py
 	$(BIN)/python benchmarks/predictions.py
 	$(BIN)/python benchmarks/torchrun_exit.py

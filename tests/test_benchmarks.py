@@ -113,3 +113,14 @@ def test_sync_async_quick(tmp_path):
                         rf"({NUMBER}|nan)", lines[-1]), lines[-1]
     out = json.loads((tmp_path / "sa.json").read_text())
     assert [r["straggler"] for r in out["rows"]] == [1.0] * 5 + [3.0] * 5
+
+
+@pytest.mark.slow
+def test_comm_drift_quick(tmp_path):
+    lines = run_bench("comm_drift.py", tmp_path / "drift.json")
+    assert re.fullmatch(rf"launch 0: block medians \(ms\) {NUMBER}, {NUMBER}", lines[0]), lines
+    assert re.fullmatch(rf"all_reduce 833000 B, median of 5 calls per block: min {NUMBER} ms, "
+                        rf"max {NUMBER} ms \({NUMBER} x\)", lines[-1]), lines[-1]
+    out = json.loads((tmp_path / "drift.json").read_text())
+    assert len(out["block_medians_s"]) == 1 and len(out["block_medians_s"][0]) == 2
+    assert all(m > 0 for m in out["block_medians_s"][0])
