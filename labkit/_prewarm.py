@@ -12,10 +12,12 @@ import multiprocessing as mp
 import os
 import sys
 
-# What the forkserver imports before it forks any rank; the last one freezes the heap it built.
-# torch._dynamo is what the first torch.optim optimizer imports (with sympy): ~2.4 s that every
-# rank of every run paid when it was imported after the fork.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle", "labkit", "labkit.launch",
+# What the forkserver imports before it forks any rank, in order: this module first (through
+# labkit/__init__, which imports it before anything heavy), so the collector is off before torch
+# comes in; the last one freezes the heap it built. torch._dynamo is what the first torch.optim
+# optimizer imports (with sympy): ~2.4 s that every rank of every run paid when it was imported
+# after the fork.
+PRELOAD = ["labkit._prewarm", "torch", "torch.distributed", "torch._dynamo", "cloudpickle", "labkit", "labkit.launch",
            "labkit.strategies.ddp", "labkit.strategies.ddp_naive", "labkit.strategies.dp",
            "labkit.strategies.single", "labkit.strategies.model_parallel",
            "labkit.strategies.pipeline", "labkit._forkserver_init"]
