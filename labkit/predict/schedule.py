@@ -63,13 +63,11 @@ class ScheduleCosts:
         return cls((forward_s,) * stages, (backward_s,) * stages, (handoff_s,) * (stages - 1),
                    (gap_s,) * stages)
 
-    def gap(self, stage: int) -> float:
-        return self.gap_s[stage] if self.gap_s else 0.0
-
     def mean(self, kind: str, index: int) -> float:
-        """The mean cost of one action ("F", "B"), hand-off ("hop") or dispatch gap ("gap")."""
+        """The mean cost of one action ("F", "B"), hand-off ("hop") or dispatch gap ("gap";
+        0 when the costs carry none)."""
         if kind == "gap":
-            return self.gap(index)
+            return self.gap_s[index] if self.gap_s else 0.0
         return {"F": self.forward_s, "B": self.backward_s, "hop": self.handoff_s}[kind][index]
 
 
