@@ -148,9 +148,9 @@ def ddp_overhead_s(model, loss_fn, x, y, ctx: RankContext, phases: dict, repeats
 
     wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
-    def no_comm(state, bucket):             # what labkit's timed all-reduce does, minus it
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer().div_(ctx.world_size))
+    def no_comm(state, bucket):             # labkit's timed all-reduce minus the all-reduce
+        fut = torch.futures.Future()         # (which also takes the mean: ReduceOp.AVG)
+        fut.set_result(bucket.buffer())
         return fut
     wrapped.register_comm_hook(None, no_comm)
 
