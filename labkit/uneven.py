@@ -39,7 +39,9 @@ class JoinableSync(Joinable):
     ``notify()`` tells the join context this rank is still training (an all-reduce that the
     joined ranks answer; timed, it is this rank's wait for the others); ``reduce(samples)``
     all-reduces the sample count, then each gradient times this rank's samples, and divides by
-    the total: the sample-weighted mean gradient over the ranks still training."""
+    the total: the sample-weighted mean gradient over the ranks still training (what DDP's
+    ``join(divide_by_initial_world_size=False)`` does when every rank's batch is the same
+    size; DDP's default divides by the initial world size instead)."""
 
     def __init__(self, model: nn.Module, device: torch.device):
         super().__init__()
@@ -116,7 +118,10 @@ def uneven_inputs(batches=(5, 3), *, join: bool = False, cfg=None, timeout_s: fl
     by ``timeout_s`` and raises ``UnevenInputsError`` naming the rank that ran out. With
     ``join=True`` the loop runs under ``Join([ddp_model])`` (what ``ddp_model.join()`` does):
     a rank that ran out answers the others' all-reduces with zeros until every rank is done,
-    and DDP divides by the ranks still training. Returns one row per rank."""
+    and DDP still divides by the world size it started with (``divide_by_initial_world_size``,
+    True by default: at 2 ranks the survivor's gradient is its own over 2;
+    ``ddp_model.join(divide_by_initial_world_size=False)`` divides by the ranks still
+    training). Returns one row per rank."""
     import pandas as pd
 
     from .config import RunConfig

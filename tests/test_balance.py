@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 
 import pandas as pd
+import torch
 import pytest
 
+import labkit
 from labkit import RunConfig, balance, experiment, sharding, uneven
 from labkit.predict import step
 from labkit.predict.collectives import AlphaBeta, CollectiveModel
@@ -133,6 +135,28 @@ def test_ddp_join_lets_uneven_ranks_finish():
     rows = uneven.uneven_inputs((4, 2), join=True, timeout_s=60)
     assert list(rows["batches"]) == [4, 2]
     assert list(rows["shadowed_steps"]) == [0, 2]
+
+
+def _joined_grads(ctx, join_kwargs):
+    """Rank 1 takes two steps, rank 0 one: each step's gradient of sum(w . [1, 1])."""
+    from torch.distributed.algorithms import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    lin = torch.nn.Linear(2, 1, bias=False)
+    ddp, grads = DDP(lin), []
+    with Join([ddp], **join_kwargs):
+        for _ in range(1 + ctx.rank):
+            ddp(torch.ones(1, 2)).sum().backward()
+            grads.append(lin.weight.grad[0, 0].item())
+            lin.weight.grad = None
+    return grads
+
+
+def test_ddp_join_divides_by_the_initial_world_size_unless_told_otherwise():
+    """What notebook 04 and ``uneven_inputs`` say: once rank 0 has joined, rank 1's gradient is
+    its own over 2 (the world it started with), or over 1 with the flag off."""
+    assert labkit.launch(_joined_grads, 2, args=({},), device="cpu")[1] == [1.0, 0.5]
+    off = {"divide_by_initial_world_size": False}
+    assert labkit.launch(_joined_grads, 2, args=(off,), device="cpu")[1] == [1.0, 1.0]
 
 
 def test_uneven_ranks_without_join_end_in_a_clear_error_inside_the_timeout():
