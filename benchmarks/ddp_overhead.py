@@ -1,6 +1,7 @@
 """labkit's DDP trainer vs a minimal hand-written DDP loop: same model, data, ranks and launcher.
 
-    python benchmarks/ddp_overhead.py [--steps 30] [--rounds 24] [--width 512] [--quick] [--json PATH]
+    python benchmarks/ddp_overhead.py [--steps 30] [--rounds 24] [--width 512] [--quick]
+                                      [--json PATH]
 
 Both sides run through ``labkit.launch`` (so process start-up is identical, and not timed) and
 alternate round by round, so a noisy neighbour slows both.

@@ -17,9 +17,9 @@ import sys
 # comes in; the last one freezes the heap it built. torch._dynamo is what the first torch.optim
 # optimizer imports (with sympy): ~2.4 s that every rank of every run paid when it was imported
 # after the fork.
-PRELOAD = ["labkit._prewarm", "torch", "torch.distributed", "torch._dynamo", "cloudpickle", "labkit", "labkit.launch",
-           "labkit.strategies.ddp", "labkit.strategies.ddp_naive", "labkit.strategies.dp",
-           "labkit.strategies.single", "labkit.strategies.model_parallel",
+PRELOAD = ["labkit._prewarm", "torch", "torch.distributed", "torch._dynamo", "cloudpickle",
+           "labkit", "labkit.launch", "labkit.strategies.ddp", "labkit.strategies.ddp_naive",
+           "labkit.strategies.dp", "labkit.strategies.single", "labkit.strategies.model_parallel",
            "labkit.strategies.pipeline", "labkit._forkserver_init"]
 # Set by the process that started the forkserver. Everything it starts (the forkserver, ranks,
 # a torchrun job launched from the notebook) inherits it and so never starts one of its own.
