@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 
-.PHONY: install demo test test-py test-nb test-browser chromium lab bench clean
+.PHONY: install demo test lint test-py test-nb test-browser chromium lab bench clean
 
 install: $(STAMP)
 
@@ -19,7 +19,11 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)          ## environment report, strategy comparison, equivalence check
 	$(BIN)/python -m labkit demo
 
-test: test-py test-nb test-browser   ## pytest, every notebook under nbval, the browser test
+test: lint test-py test-nb test-browser   ## lint, pytest, every notebook under nbval, the browser test
+
+lint: $(STAMP)          ## ruff (lint and format check)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-py: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/test_browser.py

@@ -13,6 +13,7 @@ can only be as close as the quantity it predicts holds still: if the median of 2
 by several times between consecutive blocks, so does a 20-step run's exposed communication.
 Last line: ``all_reduce <bytes> B, median of <calls> calls per block: min X ms, max Y ms (Z x)``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ import labkit
 def rank(ctx, nbytes: int, blocks: int, calls: int, compute_s: float) -> list[float]:
     import torch
     import torch.distributed as dist
+
     x = torch.ones(max(1, nbytes // 4))
-    for _ in range(3):                      # warm-up: connections, buffers
+    for _ in range(3):  # warm-up: connections, buffers
         dist.all_reduce(x)
     medians = []
     for _ in range(blocks):
@@ -60,19 +62,32 @@ def main(argv=None) -> int:
         p.error("--bytes, --blocks, --calls and --launches must be at least 1")
     every, per_launch = [], []
     for i in range(args.launches):
-        medians = labkit.launch(rank, 2, args=(args.bytes, args.blocks, args.calls,
-                                               args.compute_ms / 1e3), device="cpu")[0]
+        medians = labkit.launch(
+            rank, 2, args=(args.bytes, args.blocks, args.calls, args.compute_ms / 1e3), device="cpu"
+        )[0]
         every += medians
         per_launch.append(medians)
-        print(f"launch {i}: block medians (ms) " + ", ".join(f"{1e3 * m:.2f}" for m in medians),
-              flush=True)
+        print(
+            f"launch {i}: block medians (ms) " + ", ".join(f"{1e3 * m:.2f}" for m in medians),
+            flush=True,
+        )
     lo, hi = min(every), max(every)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bytes": args.bytes, "calls": args.calls, "compute_ms": args.compute_ms,
-                       "block_medians_s": per_launch}, f, indent=1)
-    print(f"all_reduce {args.bytes} B, median of {args.calls} calls per block: "
-          f"min {1e3 * lo:.2f} ms, max {1e3 * hi:.2f} ms ({hi / lo:.1f} x)")
+            json.dump(
+                {
+                    "bytes": args.bytes,
+                    "calls": args.calls,
+                    "compute_ms": args.compute_ms,
+                    "block_medians_s": per_launch,
+                },
+                f,
+                indent=1,
+            )
+    print(
+        f"all_reduce {args.bytes} B, median of {args.calls} calls per block: "
+        f"min {1e3 * lo:.2f} ms, max {1e3 * hi:.2f} ms ({hi / lo:.1f} x)"
+    )
     return 0
 
 

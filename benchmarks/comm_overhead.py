@@ -8,6 +8,7 @@ with the loop anyone would write (``t0 = perf_counter(); all_reduce; ...`` back 
 barrier, rank 0's clock). Per size, the ratio labkit/bare of the medians over rounds is
 reported; the last line is the median of those ratios (goal: within 10 %, i.e. 0.90-1.10).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,10 +31,12 @@ def rank(ctx, sizes: list[int], rounds: int, repeats: int, iters: int) -> dict |
     for _ in range(rounds):
         for nbytes in sizes:
             fn = comm._call("all_reduce", ctx.world_size, nbytes, ctx.device)
-            times = torch.tensor(comm.time_op(fn, ctx.device, repeats, 2, iters), dtype=torch.float64)
+            times = torch.tensor(
+                comm.time_op(fn, ctx.device, repeats, 2, iters), dtype=torch.float64
+            )
             dist.all_reduce(times, op=dist.ReduceOp.MAX)
             out[nbytes]["labkit"].append(statistics.median(times.tolist()))
-            t = torch.ones(max(1, nbytes // 4), device=ctx.device)     # the bare loop
+            t = torch.ones(max(1, nbytes // 4), device=ctx.device)  # the bare loop
             for _ in range(2):
                 dist.all_reduce(t)
             bare = []
@@ -47,7 +50,9 @@ def rank(ctx, sizes: list[int], rounds: int, repeats: int, iters: int) -> dict |
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes", default="4KiB-16MiB")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--repeats", type=int, default=10)
@@ -62,15 +67,23 @@ def main(argv=None) -> int:
     rows = []
     for nbytes in sizes:
         lab, bare = (statistics.median(res[nbytes][k]) for k in ("labkit", "bare"))
-        rows.append({"bytes": nbytes, "labkit_ms": 1e3 * lab, "bare_ms": 1e3 * bare, "ratio": lab / bare})
-        print(f"{comm.human_bytes(nbytes):>9}  labkit {1e3 * lab:8.3f} ms  bare {1e3 * bare:8.3f} ms"
-              f"  ratio {lab / bare:5.2f}")
+        rows.append(
+            {"bytes": nbytes, "labkit_ms": 1e3 * lab, "bare_ms": 1e3 * bare, "ratio": lab / bare}
+        )
+        print(
+            f"{comm.human_bytes(nbytes):>9}  labkit {1e3 * lab:8.3f} ms  bare {1e3 * bare:8.3f} ms"
+            f"  ratio {lab / bare:5.2f}"
+        )
     ratio = statistics.median(r["ratio"] for r in rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "median_ratio": ratio, "goal": [1 - GOAL, 1 + GOAL]}, f, indent=1)
-    print(f"labkit/bare all_reduce time ratio (median over sizes): {ratio:.2f} "
-          f"(goal {1 - GOAL:.2f}-{1 + GOAL:.2f})")
+            json.dump(
+                {"rows": rows, "median_ratio": ratio, "goal": [1 - GOAL, 1 + GOAL]}, f, indent=1
+            )
+    print(
+        f"labkit/bare all_reduce time ratio (median over sizes): {ratio:.2f} "
+        f"(goal {1 - GOAL:.2f}-{1 + GOAL:.2f})"
+    )
     return 0
 
 

@@ -20,6 +20,7 @@ labkit's DDP strategy runs a calibration (5 backward passes under ``no_sync``) o
 warm-up and before its first measured step: it is outside the measured span. The median probed
 ``step_s`` (which excludes the work between steps) is printed for comparison.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,13 @@ def raw_ddp_rank(ctx, cfg: RunConfig) -> dict:
     """The hand-written baseline: DDP as the PyTorch tutorial writes it, timed per step."""
     torch.manual_seed(cfg.seed)
     model = DDP(make_model(cfg).to(ctx.device))
-    loader = shard_loader(make_dataset(cfg), cfg.global_batch // ctx.world_size, ctx.rank,
-                          ctx.world_size, seed=cfg.seed)
+    loader = shard_loader(
+        make_dataset(cfg),
+        cfg.global_batch // ctx.world_size,
+        ctx.rank,
+        ctx.world_size,
+        seed=cfg.seed,
+    )
     data = batches(loader)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
@@ -74,20 +80,26 @@ def raw_ddp_rank(ctx, cfg: RunConfig) -> dict:
 
 def run_labkit(cfg: RunConfig) -> tuple[list[float], float]:
     """Per-step max-over-ranks ``step_s``, and the slowest rank's end-to-end wall per step."""
-    results = labkit.launch(run_rank, WORLD_SIZE, args=(cfg,), device="cpu",
-                            timeout_s=cfg.timeout_s)
+    results = labkit.launch(
+        run_rank, WORLD_SIZE, args=(cfg,), device="cpu", timeout_s=cfg.timeout_s
+    )
     per_rank = [[rec["step_s"] for rec in res["records"]] for res in results]
     # start_s is each step's start on the shared clock; the last step ends step_s later
-    walls = [(r[-1]["start_s"] + r[-1]["step_s"] - r[0]["start_s"])
-             for r in (res["records"] for res in results)]
+    walls = [
+        (r[-1]["start_s"] + r[-1]["step_s"] - r[0]["start_s"])
+        for r in (res["records"] for res in results)
+    ]
     return _max_over_ranks(per_rank), max(walls) / cfg.steps
 
 
 def run_raw(cfg: RunConfig) -> tuple[list[float], float]:
-    results = labkit.launch(raw_ddp_rank, WORLD_SIZE, args=(cfg,), device="cpu",
-                            timeout_s=cfg.timeout_s)
-    return (_max_over_ranks([r["step_s"] for r in results]),
-            max(r["wall_s"] for r in results) / cfg.steps)
+    results = labkit.launch(
+        raw_ddp_rank, WORLD_SIZE, args=(cfg,), device="cpu", timeout_s=cfg.timeout_s
+    )
+    return (
+        _max_over_ranks([r["step_s"] for r in results]),
+        max(r["wall_s"] for r in results) / cfg.steps,
+    )
 
 
 def _max_over_ranks(per_rank: list[list[float]]) -> list[float]:
@@ -96,12 +108,17 @@ def _max_over_ranks(per_rank: list[list[float]]) -> list[float]:
 
 def measure(cfg: RunConfig, rounds: int) -> dict:
     """Alternate labkit and raw for ``rounds`` rounds (who goes first alternates too)."""
-    labkit.launch(raw_ddp_rank, WORLD_SIZE, args=(cfg.replace(steps=1, warmup=0),),
-                  device="cpu", timeout_s=cfg.timeout_s)   # start the forkserver, untimed
+    labkit.launch(
+        raw_ddp_rank,
+        WORLD_SIZE,
+        args=(cfg.replace(steps=1, warmup=0),),
+        device="cpu",
+        timeout_s=cfg.timeout_s,
+    )  # start the forkserver, untimed
     out = {"labkit": [], "raw": [], "rounds": []}
     for i in range(rounds):
         walls = {}
-        for side in (("labkit", "raw") if i % 2 == 0 else ("raw", "labkit")):
+        for side in ("labkit", "raw") if i % 2 == 0 else ("raw", "labkit"):
             steps, walls[side] = run_labkit(cfg) if side == "labkit" else run_raw(cfg)
             out[side] += steps
         out["rounds"].append(walls)
@@ -132,22 +149,32 @@ def summarise(measured: dict, probe_s: float) -> dict:
 
 
 def print_report(cfg: RunConfig, rounds: int, s: dict) -> None:
-    print(f"DDP, {WORLD_SIZE} CPU ranks on gloo, {cfg.model} width {cfg.width} depth "
-          f"{cfg.depth}, global batch {cfg.global_batch}; {rounds} rounds x {cfg.steps} steps "
-          f"(+{cfg.warmup} warm-up); {_cores()} CPU cores; torch {torch.__version__}")
+    print(
+        f"DDP, {WORLD_SIZE} CPU ranks on gloo, {cfg.model} width {cfg.width} depth "
+        f"{cfg.depth}, global batch {cfg.global_batch}; {rounds} rounds x {cfg.steps} steps "
+        f"(+{cfg.warmup} warm-up); {_cores()} CPU cores; torch {torch.__version__}"
+    )
     for i, r in enumerate(s["round_ratios"]):
         print(f"round {i}: labkit/raw end-to-end {r:.3f}")
-    print(f"end-to-end wall per step (slowest rank, median over rounds): labkit "
-          f"{s['wall_per_step_s']['labkit'] * 1e3:.3f} ms, raw "
-          f"{s['wall_per_step_s']['raw'] * 1e3:.3f} ms")
-    print(f"probed step only (median, max over ranks; excludes work between steps): labkit "
-          f"{s['median_step_s']['labkit'] * 1e3:.3f} ms, raw "
-          f"{s['median_step_s']['raw'] * 1e3:.3f} ms (ratio {s['probed_step_ratio']:.2f})")
-    print(f"probe overhead: {s['probe_overhead_s'] * 1e6:.1f} us per step "
-          f"({s['probe_overhead_fraction'] * 100:.2f}% of labkit's step)")
+    print(
+        f"end-to-end wall per step (slowest rank, median over rounds): labkit "
+        f"{s['wall_per_step_s']['labkit'] * 1e3:.3f} ms, raw "
+        f"{s['wall_per_step_s']['raw'] * 1e3:.3f} ms"
+    )
+    print(
+        f"probed step only (median, max over ranks; excludes work between steps): labkit "
+        f"{s['median_step_s']['labkit'] * 1e3:.3f} ms, raw "
+        f"{s['median_step_s']['raw'] * 1e3:.3f} ms (ratio {s['probed_step_ratio']:.2f})"
+    )
+    print(
+        f"probe overhead: {s['probe_overhead_s'] * 1e6:.1f} us per step "
+        f"({s['probe_overhead_fraction'] * 100:.2f}% of labkit's step)"
+    )
     lo, hi = s["ratio_interval_90"]
-    print(f"median of {len(s['round_ratios'])} round ratios {s['ratio']:.3f}, bootstrap 90 % "
-          f"interval {lo:.3f}-{hi:.3f}")
+    print(
+        f"median of {len(s['round_ratios'])} round ratios {s['ratio']:.3f}, bootstrap 90 % "
+        f"interval {lo:.3f}-{hi:.3f}"
+    )
     print(f"goal labkit/raw <= {GOAL_RATIO}: {'met' if s['ratio'] <= GOAL_RATIO else 'NOT met'}")
     print(f"labkit/raw step-time ratio: {s['ratio']:.2f}")
 
@@ -164,27 +191,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="measured steps per run")
     parser.add_argument("--rounds", type=int, default=24, help="labkit/raw alternations")
     parser.add_argument("--width", type=int, default=512, help="MLP hidden width")
-    parser.add_argument("--quick", action="store_true", help="1 round of 8 small steps: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round of 8 small steps: a smoke run"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write samples and medians here")
     args = parser.parse_args(argv)
     steps, rounds, width = (8, 1, 64) if args.quick else (args.steps, args.rounds, args.width)
     if steps < 2 or rounds < 1:
         parser.error("--steps must be at least 2 and --rounds at least 1")
-    cfg = RunConfig(strategy="ddp", world_size=WORLD_SIZE, steps=steps, warmup=5, width=width,
-                    device="cpu", timeout_s=300.0)
+    cfg = RunConfig(
+        strategy="ddp",
+        world_size=WORLD_SIZE,
+        steps=steps,
+        warmup=5,
+        width=width,
+        device="cpu",
+        timeout_s=300.0,
+    )
     measured = measure(cfg, rounds)
     summary = summarise(measured, probe_overhead_s("cpu"))
     if args.json:
-        out = {"benchmark": "ddp_overhead", "cfg": cfg.to_dict(), "rounds": rounds,
-               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "machine": {"cpu_cores": _cores(), "platform": platform.platform(),
-                           "python": platform.python_version(), "torch": torch.__version__},
-               "samples_s": {k: measured[k] for k in ("labkit", "raw")},
-               "wall_per_step_rounds_s": measured["rounds"],
-               **summary}
+        out = {
+            "benchmark": "ddp_overhead",
+            "cfg": cfg.to_dict(),
+            "rounds": rounds,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {
+                "cpu_cores": _cores(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+            },
+            "samples_s": {k: measured[k] for k in ("labkit", "raw")},
+            "wall_per_step_rounds_s": measured["rounds"],
+            **summary,
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
-    print_report(cfg, rounds, summary)   # last, so its last line is the ratio
+    print_report(cfg, rounds, summary)  # last, so its last line is the ratio
     return 0
 
 

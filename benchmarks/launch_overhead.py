@@ -1,14 +1,17 @@
-"""How long it takes to start 2 ranks that each do one all-reduce: labkit vs mp.spawn (vs Accelerate).
+"""How long it takes to start 2 ranks that each do one all-reduce: labkit vs mp.spawn (vs
+Accelerate).
 
     python benchmarks/launch_overhead.py [--repeats 5] [--cold 3] [--quick] [--json PATH]
 
 labkit's first launch is timed in a fresh child interpreter, so its forkserver really starts cold
 (as in a new kernel), ``--cold`` times over (the median is reported); the last child then stays
-alive and times every later launch when the parent asks, so the later launches interleave with ``torch.multiprocessing.spawn`` (and Accelerate's
-``notebook_launcher``, if installed) round by round and drift on a busy machine hits all of them.
+alive and times every later launch when the parent asks, so the later launches interleave with
+``torch.multiprocessing.spawn`` (and Accelerate's ``notebook_launcher``, if installed) round by
+round and drift on a busy machine hits all of them.
 Every number is end to end as the caller sees it: start processes, rendezvous, init the gloo
 group, one all_reduce, destroy, join. Medians are reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +35,12 @@ NOTEBOOK_LAUNCHER_REFERENCE_S = 0.154
 
 # ---- what every rank does ----------------------------------------------------------------------
 
+
 def _labkit_rank(ctx) -> float:
     """labkit side: the group is already up (launch() did it); one all-reduce."""
     import torch
     import torch.distributed as dist
+
     t = torch.ones(1)
     dist.all_reduce(t)
     return float(t.item())
@@ -45,6 +50,7 @@ def _init_allreduce_destroy(rank: int, world_size: int, init_method: str) -> Non
     """What a hand-written rank does: init the gloo group on loopback, one all-reduce, destroy."""
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     t = torch.ones(1)
@@ -64,6 +70,7 @@ def _accelerate_rank() -> None:
 
 # ---- the contenders, as the caller times them -------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,6 +79,7 @@ def _free_port() -> int:
 
 def time_mp_spawn() -> float:
     import torch.multiprocessing as mp
+
     t0 = time.perf_counter()
     mp.spawn(_spawn_rank, args=(WORLD_SIZE, _free_port()), nprocs=WORLD_SIZE, join=True)
     return time.perf_counter() - t0
@@ -79,9 +87,11 @@ def time_mp_spawn() -> float:
 
 def time_notebook_launcher() -> float:
     from accelerate import notebook_launcher
+
     t0 = time.perf_counter()
-    notebook_launcher(_accelerate_rank, args=(), num_processes=WORLD_SIZE,
-                      use_port=str(_free_port()))
+    notebook_launcher(
+        _accelerate_rank, args=(), num_processes=WORLD_SIZE, use_port=str(_free_port())
+    )
     return time.perf_counter() - t0
 
 
@@ -99,9 +109,13 @@ class LabkitChild:
     def __init__(self):
         # LABKIT_PREWARM=1: start the forkserver at import, as `import labkit` does in a kernel
         env = {**os.environ, "LABKIT_PREWARM": "1"}
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--labkit-child"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--labkit-child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.import_s = self._read()["import_s"]
 
     def launch(self) -> float:
@@ -124,6 +138,7 @@ def _child_main() -> None:
     """Runs in the fresh interpreter: import labkit (as a notebook's first cell), then serve."""
     t0 = time.perf_counter()
     import labkit
+
     print(json.dumps({"import_s": time.perf_counter() - t0}), flush=True)
     for _ in sys.stdin:
         t0 = time.perf_counter()
@@ -134,6 +149,7 @@ def _child_main() -> None:
 
 
 # ---- run, summarise, print ----------------------------------------------------------------------
+
 
 def measure(repeats: int, with_accelerate: bool, cold: int = 3) -> dict:
     """``cold`` first launches, each in its own fresh interpreter (one sample each, and the
@@ -155,8 +171,9 @@ def measure(repeats: int, with_accelerate: bool, cold: int = 3) -> dict:
         for i in range(repeats):
             # Rotate who goes first, so none of them always runs right after the heavy spawn.
             order = ["labkit later launch", "mp.spawn"] + (
-                ["accelerate notebook_launcher"] if with_accelerate else [])
-            order = order[i % len(order):] + order[:i % len(order)]
+                ["accelerate notebook_launcher"] if with_accelerate else []
+            )
+            order = order[i % len(order) :] + order[: i % len(order)]
             for name in order:
                 if name == "labkit later launch":
                     samples[name].append(child.launch())
@@ -180,25 +197,35 @@ def summarise(measured: dict, with_accelerate: bool) -> dict:
     if with_accelerate:
         reference = medians["accelerate notebook_launcher"]
     goals = {
-        f"first launch <= {FIRST_LAUNCH_GOAL_S:g} s":
-            medians["labkit first launch"] <= FIRST_LAUNCH_GOAL_S,
+        f"first launch <= {FIRST_LAUNCH_GOAL_S:g} s": medians["labkit first launch"]
+        <= FIRST_LAUNCH_GOAL_S,
         f"later launch <= {WARM_RATIO_GOAL:g} x notebook_launcher ({reference:.3f} s"
-        f"{'' if with_accelerate else ', the issue figure: accelerate is not installed'})":
-            medians["labkit later launch"] <= WARM_RATIO_GOAL * reference,
+        f"{'' if with_accelerate else ', the issue figure: accelerate is not installed'})": medians[
+            "labkit later launch"
+        ]
+        <= WARM_RATIO_GOAL * reference,
     }
-    ratios["labkit/notebook_launcher warm launch ratio"] = medians["labkit later launch"] / reference
+    ratios["labkit/notebook_launcher warm launch ratio"] = (
+        medians["labkit later launch"] / reference
+    )
     return {"medians_s": medians, "ratios": ratios, "goals": goals}
 
 
 def print_report(measured: dict, summary: dict, with_accelerate: bool) -> None:
-    print(f"2 ranks, each: init gloo group on loopback + one all_reduce + destroy; "
-          f"{os.cpu_count()} CPU cores; torch {_torch_version()}")
-    print(f"labkit import in the fresh interpreter (not counted below): "
-          f"{measured['labkit_import_s']:.2f} s")
+    print(
+        f"2 ranks, each: init gloo group on loopback + one all_reduce + destroy; "
+        f"{os.cpu_count()} CPU cores; torch {_torch_version()}"
+    )
+    print(
+        f"labkit import in the fresh interpreter (not counted below): "
+        f"{measured['labkit_import_s']:.2f} s"
+    )
     print(f"{'launcher':<32}{'runs':>6}{'median s':>11}{'min s':>9}{'max s':>9}")
     for name, values in measured["samples"].items():
-        print(f"{name:<32}{len(values):>6}{statistics.median(values):>11.3f}"
-              f"{min(values):>9.3f}{max(values):>9.3f}")
+        print(
+            f"{name:<32}{len(values):>6}{statistics.median(values):>11.3f}"
+            f"{min(values):>9.3f}{max(values):>9.3f}"
+        )
     if not with_accelerate:
         print(f"{'accelerate notebook_launcher':<32}  not installed, skipped")
     for name, value in summary["ratios"].items():
@@ -211,14 +238,19 @@ def print_report(measured: dict, summary: dict, with_accelerate: bool) -> None:
 
 def _torch_version() -> str:
     import torch
+
     return torch.__version__
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
-    parser.add_argument("--cold", type=int, default=3,
-                        help="first launches, each in a fresh interpreter (default 3)")
+    parser.add_argument(
+        "--cold",
+        type=int,
+        default=3,
+        help="first launches, each in a fresh interpreter (default 3)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 rounds, 1 cold: a smoke run")
     parser.add_argument("--json", metavar="PATH", help="also write samples and medians here")
     parser.add_argument("--labkit-child", action="store_true", help=argparse.SUPPRESS)
@@ -234,11 +266,21 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(measured, with_accelerate)
     print_report(measured, summary, with_accelerate)
     if args.json:
-        out = {"benchmark": "launch_overhead", "world_size": WORLD_SIZE, "repeats": repeats,
-               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "machine": {"cpu_cores": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version(), "torch": _torch_version()},
-               "accelerate": with_accelerate, **measured, **summary}
+        out = {
+            "benchmark": "launch_overhead",
+            "world_size": WORLD_SIZE,
+            "repeats": repeats,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {
+                "cpu_cores": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "torch": _torch_version(),
+            },
+            "accelerate": with_accelerate,
+            **measured,
+            **summary,
+        }
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0

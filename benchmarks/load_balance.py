@@ -15,6 +15,7 @@ ranks' solo throughputs (``labkit.balance.throughput``); the median over rounds 
 beside the step-time predictor's (static and dynamic). Goal: dynamic >= 0.85; static about
 what the slowest rank allows (~0.67 for one 2x straggler in two ranks).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,17 @@ from labkit import RunConfig, comm, experiment, profile
 from labkit.predict import collectives
 
 GOAL = 0.85
-POLICIES = {"static": dict(rebalance="static"), "join": dict(rebalance="join", skew=1.0),
-            "dynamic": dict(rebalance="dynamic", rebalance_every=2)}
+POLICIES = {
+    "static": dict(rebalance="static"),
+    "join": dict(rebalance="join", skew=1.0),
+    "dynamic": dict(rebalance="dynamic", rebalance_every=2),
+}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--global-batch", type=int, default=2048)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--steps", type=int, default=16)
@@ -42,9 +47,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.global_batch, args.width, args.steps, args.rounds = 128, 128, 4, 1
-    base = RunConfig(strategy="ddp_naive", world_size=2, global_batch=args.global_batch,
-                     width=args.width, steps=args.steps, warmup=2, slowdown="0:2",
-                     dataset_size=max(4096, 4 * args.global_batch))
+    base = RunConfig(
+        strategy="ddp_naive",
+        world_size=2,
+        global_batch=args.global_batch,
+        width=args.width,
+        steps=args.steps,
+        warmup=2,
+        slowdown="0:2",
+        dataset_size=max(4096, 4 * args.global_batch),
+    )
     got: dict[str, list[float]] = {name: [] for name in POLICIES}
     busy: dict[str, list[bool]] = {name: [] for name in POLICIES}
     for _ in range(args.rounds):
@@ -56,15 +68,30 @@ def main(argv=None) -> int:
     network = collectives.fit_table(bench.to_dict("records"), world_size=2)
     prof = profile.measure(base)
     from labkit.predict.step import predict_balance
+
     rows = []
     for name in POLICIES:
-        pred = (predict_balance(prof, network, 2, base.global_batch, [2.0, 1.0], policy=name)
-                ["throughput_fraction"] if name != "join" else float("nan"))
-        rows.append({"policy": name, "fraction": statistics.median(got[name]),
-                     "rounds": got[name], "predicted": pred, "busy": any(busy[name])})
-        print(f"{name:>8}  {rows[-1]['fraction']:.2f} of ideal (rounds: "
-              f"{', '.join(f'{v:.2f}' for v in got[name])})  predicted "
-              f"{'-' if pred != pred else f'{pred:.2f}'}{'  BUSY' if rows[-1]['busy'] else ''}")
+        pred = (
+            predict_balance(prof, network, 2, base.global_batch, [2.0, 1.0], policy=name)[
+                "throughput_fraction"
+            ]
+            if name != "join"
+            else float("nan")
+        )
+        rows.append(
+            {
+                "policy": name,
+                "fraction": statistics.median(got[name]),
+                "rounds": got[name],
+                "predicted": pred,
+                "busy": any(busy[name]),
+            }
+        )
+        print(
+            f"{name:>8}  {rows[-1]['fraction']:.2f} of ideal (rounds: "
+            f"{', '.join(f'{v:.2f}' for v in got[name])})  predicted "
+            f"{'-' if pred != pred else f'{pred:.2f}'}{'  BUSY' if rows[-1]['busy'] else ''}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": base.to_dict(), "rows": rows, "goal_dynamic": GOAL}, f, indent=1)

@@ -17,6 +17,7 @@ Rows whose ranks did not get their cores are flagged ``busy``: they are not the 
 
 Last lines: ``predictor |error| at world size 2: ...`` and ``bubble |predicted - measured|: ...``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,13 @@ def step_rows(quick: bool, rounds: int) -> pd.DataFrame:
     drifts by ~10 % over seconds."""
     sizes = "1KiB-1MiB" if quick else "1KiB-16MiB"
     steps = 4 if quick else 20
-    models = (("default MLP", RunConfig(world_size=2, steps=steps, global_batch=64)),
-              ("width 1024", RunConfig(world_size=2, steps=max(4, steps * 3 // 5), width=1024,
-                                       global_batch=256)))
+    models = (
+        ("default MLP", RunConfig(world_size=2, steps=steps, global_batch=64)),
+        (
+            "width 1024",
+            RunConfig(world_size=2, steps=max(4, steps * 3 // 5), width=1024, global_batch=256),
+        ),
+    )
     rows = []
     for r in range(rounds):
         table, _ = comm.benchmark(2, ["all_reduce"], sizes, repeats=3 if quick else 15)
@@ -52,8 +57,12 @@ def step_rows(quick: bool, rounds: int) -> pd.DataFrame:
     per_run = pd.concat(rows, ignore_index=True)
     by = per_run.groupby(["model", "config"], sort=False)
     med = by.median(numeric_only=True).drop(columns=["round", "error"])
-    med = med.assign(step_min_ms=by["step_ms"].min(), step_max_ms=by["step_ms"].max(),
-                     rounds=by.size(), busy=by["busy"].any())
+    med = med.assign(
+        step_min_ms=by["step_ms"].min(),
+        step_max_ms=by["step_ms"].max(),
+        rounds=by.size(),
+        busy=by["busy"].any(),
+    )
     med["error"] = (med["predicted_step_ms"] - med["step_ms"]) / med["step_ms"]
     return med.reset_index()
 
@@ -62,42 +71,75 @@ def bubble_rows(quick: bool) -> pd.DataFrame:
     rows = []
     sizes = (("defaults", dict()), ("width 1024, batch 1024", dict(width=1024, global_batch=1024)))
     for name, size in sizes:
-        for m in ((1, 4) if quick else (1, 2, 4, 8)):
-            cfg = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, microbatches=m,
-                            steps=4 if quick else 12, **size)
+        for m in (1, 4) if quick else (1, 2, 4, 8):
+            cfg = RunConfig(
+                strategy="pipeline_gpipe",
+                world_size=2,
+                stages=2,
+                microbatches=m,
+                steps=4 if quick else 12,
+                **size,
+            )
             records = experiment.run(cfg).records
             t = experiment.summarize(records).iloc[0]
-            rows.append({"size": name, "M": m, "measured": t["bubble_fraction"],
-                         "predicted": t["bubble_predicted"], "closed form": t["bubble_theory"],
-                         "error": abs(experiment.bubble_error(records)),
-                         "cpu_share": t["cpu_share"], "busy": bool(t["busy"])})
+            rows.append(
+                {
+                    "size": name,
+                    "M": m,
+                    "measured": t["bubble_fraction"],
+                    "predicted": t["bubble_predicted"],
+                    "closed form": t["bubble_theory"],
+                    "error": abs(experiment.bubble_error(records)),
+                    "cpu_share": t["cpu_share"],
+                    "busy": bool(t["busy"]),
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smoke run of a few seconds' work")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds of fit + profile + runs (default 5)")
+    p.add_argument(
+        "--rounds", type=int, default=5, help="rounds of fit + profile + runs (default 5)"
+    )
     p.add_argument("--json", help="write both tables here")
     args = p.parse_args(argv)
     steps = step_rows(args.quick, 1 if args.quick else args.rounds)
-    cols = ["model", "config", "step_ms", "step_min_ms", "step_max_ms", "predicted_step_ms",
-            "error", "comm_ms", "predicted_exposed_ms", "cpu_share", "busy"]
+    cols = [
+        "model",
+        "config",
+        "step_ms",
+        "step_min_ms",
+        "step_max_ms",
+        "predicted_step_ms",
+        "error",
+        "comm_ms",
+        "predicted_exposed_ms",
+        "cpu_share",
+        "busy",
+    ]
     print(steps[cols].round(3).to_string(index=False))
     bubbles = bubble_rows(args.quick)
     print(bubbles.round(3).to_string(index=False))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": steps.to_dict("records"), "bubbles": bubbles.to_dict("records")},
-                      f, indent=1)
-    err = ", ".join(f"{r.config} {r.model} {abs(r.error):.0%}{' (busy)' if r.busy else ''}"
-                    for r in steps.itertuples())
+            json.dump(
+                {"steps": steps.to_dict("records"), "bubbles": bubbles.to_dict("records")},
+                f,
+                indent=1,
+            )
+    err = ", ".join(
+        f"{r.config} {r.model} {abs(r.error):.0%}{' (busy)' if r.busy else ''}"
+        for r in steps.itertuples()
+    )
     print(f"predictor |error| at world size 2: {err}")
     quiet = bubbles.loc[~bubbles["busy"], "error"]
     worst = f"max {quiet.max():.3f} over rows not busy" if len(quiet) else "no row was quiet"
-    print(f"bubble |predicted - measured|: {worst} ({int(bubbles['busy'].sum())} busy of "
-          f"{len(bubbles)}; all rows: max {bubbles['error'].max():.3f})")
+    print(
+        f"bubble |predicted - measured|: {worst} ({int(bubbles['busy'].sum())} busy of "
+        f"{len(bubbles)}; all rows: max {bubbles['error'].max():.3f})"
+    )
     return 0
 
 

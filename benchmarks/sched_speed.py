@@ -7,6 +7,7 @@ median is reported. Last line: the slowest policy's ratio to the 10 s goal.
 
     .venv/bin/python benchmarks/sched_speed.py [--quick] [--json PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,13 @@ def main() -> None:
         args.jobs, args.cluster = 1000, "16x8"
     cluster = sim.Cluster.parse(args.cluster)
     rate = traces.rate_for_load(args.load, cluster.gpus)
-    jobs = traces.generate(args.jobs, rate_per_hour=rate, seed=0, curves=("good", "poor"),
-                           high_priority=0.2)
-    print(f"{len(jobs)} jobs, {rate:.1f} arrivals/hour ({args.load:.0%} offered load) on "
-          f"{cluster} = {cluster.gpus} GPUs; goal {GOAL_S:g} s per policy")
+    jobs = traces.generate(
+        args.jobs, rate_per_hour=rate, seed=0, curves=("good", "poor"), high_priority=0.2
+    )
+    print(
+        f"{len(jobs)} jobs, {rate:.1f} arrivals/hour ({args.load:.0%} offered load) on "
+        f"{cluster} = {cluster.gpus} GPUs; goal {GOAL_S:g} s per policy"
+    )
     times = {p: [] for p in POLICIES}
     rows = {}
     for _ in range(args.repeats):
@@ -48,13 +52,18 @@ def main() -> None:
     print(f"{'policy':<9} {'seconds':>8} {'events':>8} {'mean JCT h':>11} {'util':>6}")
     for p in POLICIES:
         m = rows[p]
-        print(f"{p:<9} {statistics.median(times[p]):8.2f} {m['events']:8d} "
-              f"{m['mean_jct_s'] / 3600:11.1f} {m['utilisation']:6.2f}")
+        print(
+            f"{p:<9} {statistics.median(times[p]):8.2f} {m['events']:8d} "
+            f"{m['mean_jct_s'] / 3600:11.1f} {m['utilisation']:6.2f}"
+        )
     worst = max(statistics.median(v) for v in times.values())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"jobs": len(jobs), "cluster": str(cluster), "times_s": times,
-                       "metrics": rows}, f, indent=1)
+            json.dump(
+                {"jobs": len(jobs), "cluster": str(cluster), "times_s": times, "metrics": rows},
+                f,
+                indent=1,
+            )
     print(f"slowest policy / goal ratio: {worst / GOAL_S:.2f}")
 
 

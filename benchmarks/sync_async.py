@@ -13,6 +13,7 @@ median over rounds of: updates, samples, seconds and bytes to the target, sample
 and whether any rank was starved of CPU (busy). The last line: the asynchronous parameter
 server's seconds to target over DDP's, under the straggler (below 1: async wins on wall time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,14 @@ import pandas as pd
 from labkit import RunConfig, experiment, sync_async
 from labkit.config import SYNC_ASYNC
 
-COLUMNS = ("updates_to_target", "samples_to_target", "seconds_to_target", "bytes_to_target",
-           "samples_per_s", "final_loss")
+COLUMNS = (
+    "updates_to_target",
+    "samples_to_target",
+    "seconds_to_target",
+    "bytes_to_target",
+    "samples_per_s",
+    "final_loss",
+)
 
 
 def median(values):
@@ -36,8 +43,9 @@ def median(values):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=512)
     p.add_argument("--steps", type=int, default=40)
@@ -48,8 +56,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.width, args.steps, args.rounds, args.global_batch = 64, 12, 1, 128
-    base = RunConfig(world_size=2, steps=args.steps, warmup=2, global_batch=args.global_batch,
-                     width=args.width, depth=2, period=4, timeout_s=300)
+    base = RunConfig(
+        world_size=2,
+        steps=args.steps,
+        warmup=2,
+        global_batch=args.global_batch,
+        width=args.width,
+        depth=2,
+        period=4,
+        timeout_s=300,
+    )
     tables, target = [], None
     for _ in range(args.rounds):
         configs = sync_async.sweep(base) + sync_async.sweep(base, straggler=args.straggler)
@@ -59,28 +75,39 @@ def main(argv=None) -> int:
     every = pd.concat(tables, ignore_index=True)
     every["straggler"] = every["run"].str.contains("slow")
     rows = []
-    print(f"target loss {target:.3f}; medians over {args.rounds} round(s); "
-          f"straggler: rank 1 {args.straggler:g}x slower")
-    print(f"{'mode':>10} {'straggler':>9} {'updates':>8} {'samples':>8} {'seconds':>8} "
-          f"{'MB':>7} {'samples/s':>9}")
+    print(
+        f"target loss {target:.3f}; medians over {args.rounds} round(s); "
+        f"straggler: rank 1 {args.straggler:g}x slower"
+    )
+    print(
+        f"{'mode':>10} {'straggler':>9} {'updates':>8} {'samples':>8} {'seconds':>8} "
+        f"{'MB':>7} {'samples/s':>9}"
+    )
     for straggler in (False, True):
         for mode in SYNC_ASYNC:
             g = every[(every["strategy"] == mode) & (every["straggler"] == straggler)]
-            row = {"mode": mode, "straggler": args.straggler if straggler else 1.0,
-                   **{c: median(g[c].tolist()) for c in COLUMNS},
-                   "rounds": g["seconds_to_target"].tolist(), "busy": bool(g["busy"].any())}
+            row = {
+                "mode": mode,
+                "straggler": args.straggler if straggler else 1.0,
+                **{c: median(g[c].tolist()) for c in COLUMNS},
+                "rounds": g["seconds_to_target"].tolist(),
+                "busy": bool(g["busy"].any()),
+            }
             rows.append(row)
-            print(f"{mode:>10} {row['straggler']:>8g}x {row['updates_to_target']:>8.0f} "
-                  f"{row['samples_to_target']:>8.0f} {row['seconds_to_target']:>8.3f} "
-                  f"{row['bytes_to_target'] / 1e6:>7.1f} {row['samples_per_s']:>9.0f}"
-                  f"{'  BUSY' if row['busy'] else ''}")
+            print(
+                f"{mode:>10} {row['straggler']:>8g}x {row['updates_to_target']:>8.0f} "
+                f"{row['samples_to_target']:>8.0f} {row['seconds_to_target']:>8.3f} "
+                f"{row['bytes_to_target'] / 1e6:>7.1f} {row['samples_per_s']:>9.0f}"
+                f"{'  BUSY' if row['busy'] else ''}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": base.to_dict(), "target": target, "rows": rows}, f, indent=1)
     slow = {r["mode"]: r for r in rows if r["straggler"] > 1}
     ratio = slow["async_ps"]["seconds_to_target"] / slow["ddp"]["seconds_to_target"]
-    print(f"async_ps / ddp seconds to target under a {args.straggler:g}x straggler ratio: "
-          f"{ratio:.2f}")
+    print(
+        f"async_ps / ddp seconds to target under a {args.straggler:g}x straggler ratio: {ratio:.2f}"
+    )
     return 0
 
 

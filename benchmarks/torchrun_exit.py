@@ -9,6 +9,7 @@ torchrun command (tests/test_cli.py) N times and counts the runs that failed or 
 
 Last line: ``torchrun exit aborts: K of N runs``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,9 +19,27 @@ import sys
 import tempfile
 import time
 
-COMMAND = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "labkit.worker", "--strategy", "ddp", "--steps", "4", "--width", "64",
-           "--depth", "2", "--global-batch", "32", "--dataset-size", "512"]
+COMMAND = [
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc-per-node",
+    "2",
+    "-m",
+    "labkit.worker",
+    "--strategy",
+    "ddp",
+    "--steps",
+    "4",
+    "--width",
+    "64",
+    "--depth",
+    "2",
+    "--global-batch",
+    "32",
+    "--dataset-size",
+    "512",
+]
 
 
 def main(argv=None) -> int:
@@ -34,13 +53,21 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(runs):
             out = os.path.join(tmp, f"run{i}.json")
-            r = subprocess.run([sys.executable, *COMMAND, "--out", out], capture_output=True,
-                               text=True, timeout=300, env=env)
+            r = subprocess.run(
+                [sys.executable, *COMMAND, "--out", out],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=env,
+            )
             aborted = "terminate called" in r.stderr
             if r.returncode != 0 or aborted:
                 bad.append(i)
-                print(f"run {i}: exit {r.returncode}{', aborted' if aborted else ''}\n"
-                      f"{r.stderr[-2000:]}", flush=True)
+                print(
+                    f"run {i}: exit {r.returncode}{', aborted' if aborted else ''}\n"
+                    f"{r.stderr[-2000:]}",
+                    flush=True,
+                )
     print(f"{runs} runs in {time.perf_counter() - t0:.0f} s; failed runs: {bad or 'none'}")
     print(f"torchrun exit aborts: {len(bad)} of {runs} runs")
     return 0

@@ -6,6 +6,7 @@ from the server inherits the frozen heap, so its collections scan only its own o
 No ``gc.collect()`` first: right after these imports it finds nothing to free (0 unreachable
 objects, measured with torch 2.14.1) and took 0.2 s, on the first launch's critical path.
 The server preloaded with collection off (``labkit._prewarm``); ranks collect as usual."""
+
 import gc
 
 gc.freeze()

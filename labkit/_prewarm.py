@@ -5,6 +5,7 @@ launch forks ranks in milliseconds. In a Jupyter kernel, ``import labkit`` start
 imports torch itself, so the server's import runs beside the kernel's on another core and the
 first launch finds it ready. This module imports nothing heavy, on purpose.
 """
+
 from __future__ import annotations
 
 import gc
@@ -17,10 +18,22 @@ import sys
 # comes in; the last one freezes the heap it built. torch._dynamo is what the first torch.optim
 # optimizer imports (with sympy): ~2.4 s that every rank of every run paid when it was imported
 # after the fork.
-PRELOAD = ["labkit._prewarm", "torch", "torch.distributed", "torch._dynamo", "cloudpickle",
-           "labkit", "labkit.launch", "labkit.strategies.ddp", "labkit.strategies.ddp_naive",
-           "labkit.strategies.dp", "labkit.strategies.single", "labkit.strategies.model_parallel",
-           "labkit.strategies.pipeline", "labkit._forkserver_init"]
+PRELOAD = [
+    "labkit._prewarm",
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "cloudpickle",
+    "labkit",
+    "labkit.launch",
+    "labkit.strategies.ddp",
+    "labkit.strategies.ddp_naive",
+    "labkit.strategies.dp",
+    "labkit.strategies.single",
+    "labkit.strategies.model_parallel",
+    "labkit.strategies.pipeline",
+    "labkit._forkserver_init",
+]
 # Set by the process that started the forkserver. Everything it starts (the forkserver, ranks,
 # a torchrun job launched from the notebook) inherits it and so never starts one of its own.
 _OWNER = "LABKIT_FORKSERVER_OWNER"
@@ -39,7 +52,7 @@ def context():
     """The multiprocessing context ranks start from: a preloaded forkserver, else spawn."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)   # takes effect when the server first starts
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
         return ctx
     return mp.get_context("spawn")
 
@@ -48,7 +61,7 @@ def start() -> bool:
     """Start the forkserver now (idempotent); False where this process must not own one."""
     owner = os.environ.get(_OWNER)
     if owner not in (None, str(os.getpid())) or "RANK" in os.environ:
-        return False                          # a forkserver, a rank, or a torchrun worker
+        return False  # a forkserver, a rank, or a torchrun worker
     if "forkserver" not in mp.get_all_start_methods():
         return False
     os.environ[_OWNER] = str(os.getpid())
@@ -62,6 +75,7 @@ def ensure_running(ctx) -> None:
     if ctx.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
+
     os.environ[_PRELOADING] = "1"
     try:
         forkserver.ensure_running()

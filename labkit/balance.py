@@ -23,6 +23,7 @@ backward):
   batch, so a rank with more data runs more steps; ``torch.distributed.algorithms.Join`` lets the
   ranks that ran out shadow the all-reduces of those still training (``labkit.uneven``).
 """
+
 from __future__ import annotations
 
 import math
@@ -34,12 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, default_collate
 
-if TYPE_CHECKING:                      # config.py imports this module to parse slowdowns
+if TYPE_CHECKING:  # config.py imports this module to parse slowdowns
     from .config import RunConfig
     from .uneven import JoinableSync
 
 
 # ---- heterogeneity: who is slow, who holds more data --------------------------------------------
+
 
 def parse_slowdown(spec) -> tuple[tuple[int, float, int | None], ...]:
     """``"1:2"``, ``"1:2@10,0:1.5"``, ``{1: 2.0}`` or ``((1, 2.0), (0, 1.5, 10))`` ->
@@ -54,8 +56,10 @@ def parse_slowdown(spec) -> tuple[tuple[int, float, int | None], ...]:
             try:
                 items.append((int(rank), float(factor), int(start) if start else None))
             except ValueError:
-                raise ValueError(f"slowdown {part!r} is not RANK:FACTOR[@STEP], e.g. '1:2' (rank 1 "
-                                 f"computes 2x slower) or '1:2@10' (from step 10)") from None
+                raise ValueError(
+                    f"slowdown {part!r} is not RANK:FACTOR[@STEP], e.g. '1:2' (rank 1 "
+                    f"computes 2x slower) or '1:2@10' (from step 10)"
+                ) from None
             if not sep:
                 raise ValueError(f"slowdown {part!r} is not RANK:FACTOR[@STEP], e.g. '1:2'")
         spec = items
@@ -67,8 +71,10 @@ def parse_slowdown(spec) -> tuple[tuple[int, float, int | None], ...]:
         if int(rank) != rank or rank < 0:
             raise ValueError(f"slowdown rank must be a whole number >= 0, got {rank!r}")
         if not float(factor) >= 1:
-            raise ValueError(f"slowdown factor {factor} for rank {rank} is below 1: a rank cannot "
-                             f"be made faster than its device; slow the other ranks down instead")
+            raise ValueError(
+                f"slowdown factor {factor} for rank {rank} is below 1: a rank cannot "
+                f"be made faster than its device; slow the other ranks down instead"
+            )
         out.append((int(rank), float(factor), None if start is None else int(start)))
     if len({r for r, _, _ in out}) != len(out):
         raise ValueError(f"slowdown names a rank twice: {spec!r}")
@@ -115,17 +121,20 @@ def split(total: int, weights, minimum: int = 1) -> list[int]:
         w = [1.0] * n
     exact = [total * x / sum(w) for x in w]
     shares = [max(minimum, math.floor(e)) for e in exact]
-    while sum(shares) < total:                   # the largest remainders get one more
+    while sum(shares) < total:  # the largest remainders get one more
         r = max(range(n), key=lambda r: (exact[r] - shares[r], -r))
         shares[r] += 1
-    while sum(shares) > total:                   # minimums pushed it over: take from the most
-        r = max((r for r in range(n) if shares[r] > minimum),
-                key=lambda r: (shares[r] - exact[r], shares[r]))
+    while sum(shares) > total:  # minimums pushed it over: take from the most
+        r = max(
+            (r for r in range(n) if shares[r] > minimum),
+            key=lambda r: (shares[r] - exact[r], shares[r]),
+        )
         shares[r] -= 1
     return shares
 
 
 # ---- the rank side: what the shared training loop calls -----------------------------------------
+
 
 @dataclass
 class Balancer:
@@ -140,10 +149,10 @@ class Balancer:
     world_size: int
     device: torch.device
     dataset: object
-    joinable: JoinableSync | None = None       # rebalance="join": the strategy's sync
+    joinable: JoinableSync | None = None  # rebalance="join": the strategy's sync
     shares: list[int] = field(default_factory=list)
-    samples: int = 0                           # this rank's samples in the current step
-    window: list[list[tuple[float, float]]] = field(default_factory=list)   # per step, per rank
+    samples: int = 0  # this rank's samples in the current step
+    window: list[list[tuple[float, float]]] = field(default_factory=list)  # per step, per rank
 
     def __post_init__(self):
         cfg = self.cfg
@@ -162,8 +171,8 @@ class Balancer:
     def batch(self):
         """This rank's slice of the next global batch (every rank draws the same one)."""
         idx = next(self._order)
-        start = sum(self.shares[:self.rank])
-        mine = idx[start:start + self.shares[self.rank]]
+        start = sum(self.shares[: self.rank])
+        mine = idx[start : start + self.shares[self.rank]]
         return default_collate([self.dataset[i] for i in mine])
 
     @property
@@ -216,13 +225,15 @@ class Balancer:
             self.window.clear()
             return
         if dynamic and (step + 1) % self.cfg.rebalance_every == 0:
-            del self.window[:-2 * self.cfg.rebalance_every]
+            del self.window[: -2 * self.cfg.rebalance_every]
             self._rebalance(self.window)
 
     def _rebalance(self, window) -> None:
-        rates = [sum(n for _, n in (s[r] for s in window)) /
-                 max(1e-9, sum(c for c, _ in (s[r] for s in window)))
-                 for r in range(self.world_size)]
+        rates = [
+            sum(n for _, n in (s[r] for s in window))
+            / max(1e-9, sum(c for c, _ in (s[r] for s in window)))
+            for r in range(self.world_size)
+        ]
         self.shares = split(self.cfg.global_batch, rates)
 
 
@@ -230,18 +241,20 @@ def _global_batches(dataset, batch: int, seed: int):
     """Endless index blocks of ``batch``: the order single-device training's loader draws
     (``DistributedSampler`` with one replica, reshuffled every epoch, last partial batch
     dropped), so every rank's slice of block k comes from single's step-k batch."""
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed,
-                                 drop_last=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True
+    )
     epoch = 0
     while True:
         sampler.set_epoch(epoch)
         order = list(sampler)
         for i in range(0, len(order) - batch + 1, batch):
-            yield order[i:i + batch]
+            yield order[i : i + batch]
         epoch += 1
 
 
 # ---- what the records say: throughput against the ideal ----------------------------------------
+
 
 def throughput(records) -> dict:
     """One run's throughput against what its ranks could do alone, from its records.
@@ -254,18 +267,27 @@ def throughput(records) -> dict:
     waiting and a rank left idle all lower it); ``wait_share``: of all rank-seconds, the share
     spent waiting at the arrival point."""
     steps = records.groupby("step").agg(samples=("samples", "sum"), step_s=("step_s", "max"))
-    own = records["step_s"] - records["wait_s"] - records["comm_s"] \
+    own = (
+        records["step_s"]
+        - records["wait_s"]
+        - records["comm_s"]
         - records.get("sync_overhead_s", 0.0)
-    per_rank = records.assign(own=own).groupby("rank").agg(samples=("samples", "sum"),
-                                                           own=("own", "sum"))
+    )
+    per_rank = (
+        records.assign(own=own).groupby("rank").agg(samples=("samples", "sum"), own=("own", "sum"))
+    )
     measured = steps["samples"].sum() / steps["step_s"].sum()
     ideal = float((per_rank["samples"] / per_rank["own"]).sum())
-    return {"samples_per_s_run": measured, "ideal_samples_per_s": ideal,
-            "throughput_fraction": measured / ideal,
-            "wait_share": float(records["wait_s"].sum() / records["step_s"].sum())}
+    return {
+        "samples_per_s_run": measured,
+        "ideal_samples_per_s": ideal,
+        "throughput_fraction": measured / ideal,
+        "wait_share": float(records["wait_s"].sum() / records["step_s"].sum()),
+    }
 
 
 # ---- prediction beside measurement --------------------------------------------------------------
+
 
 def prediction_rows(table, configs, profile, network):
     """Per load-balancing run: the median step measured beside ``labkit.predict.step``'s
@@ -275,6 +297,7 @@ def prediction_rows(table, configs, profile, network):
 
     from .experiment import config_label
     from .predict.step import predict_balance
+
     rows = []
     for cfg in configs:
         if not cfg.balancing or cfg.rebalance == "join":
@@ -283,13 +306,25 @@ def prediction_rows(table, configs, profile, network):
         if got.empty:
             continue
         factors = [slowdown_at(cfg.slowdown, r, 1 << 30) for r in range(cfg.world_size)]
-        pred = predict_balance(profile, network, cfg.world_size, cfg.global_batch, factors,
-                               policy=cfg.rebalance, weights=skew_weights(cfg.world_size, cfg.skew))
+        pred = predict_balance(
+            profile,
+            network,
+            cfg.world_size,
+            cfg.global_batch,
+            factors,
+            policy=cfg.rebalance,
+            weights=skew_weights(cfg.world_size, cfg.skew),
+        )
         measured = float(got["step_ms"].iloc[0])
-        rows.append({"run": config_label(cfg), "measured_ms": measured,
-                     "predicted_ms": 1e3 * pred["step_s"],
-                     "error": 1e3 * pred["step_s"] / measured - 1,
-                     "shares_predicted": "/".join(str(s) for s in pred["shares"]),
-                     "fraction_measured": float(got["throughput_fraction"].iloc[0]),
-                     "fraction_predicted": pred["throughput_fraction"]})
+        rows.append(
+            {
+                "run": config_label(cfg),
+                "measured_ms": measured,
+                "predicted_ms": 1e3 * pred["step_s"],
+                "error": 1e3 * pred["step_s"] / measured - 1,
+                "shares_predicted": "/".join(str(s) for s in pred["shares"]),
+                "fraction_measured": float(got["throughput_fraction"].iloc[0]),
+                "fraction_predicted": pred["throughput_fraction"],
+            }
+        )
     return pd.DataFrame(rows)

@@ -13,6 +13,7 @@ back to back and divides, as nccl-tests does (DDP's buckets and a hand-written a
 tensor also run back to back); its time is the slowest rank's (a collective ends when the last
 rank has its result). The table keeps the median over repeats and the p10/p90 spread.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ import socket
 import statistics
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,8 @@ from .predict.collectives import OPS, bus_factor
 # calls and pays every slow one (on a shared CPU, a scheduler tick in a fraction of the calls),
 # and the expectation of a sum is the sum of the means. The table shows the median and p10/p90.
 FIT_ON = "mean_s"
-ITERS = 5        # back-to-back calls per timed repeat (nccl-tests times a loop too)
-UNITS = {"B": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6}
+ITERS = 5  # back-to-back calls per timed repeat (nccl-tests times a loop too)
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6}
 
 
 def parse_size(text: str) -> int:
@@ -51,7 +52,9 @@ def size_range(text: str, step: int = 4) -> list[int]:
     else:
         lo, hi = (parse_size(t) for t in text.split("-", 1))
         if lo > hi:
-            raise ValueError(f"size range {text!r} runs backwards: write small-large, e.g. 1KiB-64MiB")
+            raise ValueError(
+                f"size range {text!r} runs backwards: write small-large, e.g. 1KiB-64MiB"
+            )
         sizes, s = [], lo
         while s <= hi:
             sizes.append(s)
@@ -70,15 +73,15 @@ def human_bytes(n: float) -> str:
 
 def _call(op: str, n: int, nbytes: int, device: torch.device):
     """A zero-argument function that runs ``op`` once on a message of ``nbytes``."""
-    numel = max(n, nbytes // 4 // n * n)             # a multiple of n float32 elements
+    numel = max(n, nbytes // 4 // n * n)  # a multiple of n float32 elements
     full = torch.ones(numel, device=device)
     part = torch.ones(numel // n, device=device)
     if op == "all_reduce":
         return lambda: dist.all_reduce(full)
-    if op == "all_gather":                             # S = the gathered output
+    if op == "all_gather":  # S = the gathered output
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return lambda: gather(full, part)
-    if op == "reduce_scatter":                         # S = the scattered input
+    if op == "reduce_scatter":  # S = the scattered input
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return lambda: scatter(part, full)
     if op == "broadcast":
@@ -108,40 +111,65 @@ def repeats_for(nbytes: int, repeats: int | None) -> int:
     """Small messages are cheap and noisy: more repeats; 64 MiB ones: a handful."""
     if repeats:
         return repeats
-    return 20 if nbytes <= 2 ** 20 else 8 if nbytes <= 16 * 2 ** 20 else 4
+    return 20 if nbytes <= 2**20 else 8 if nbytes <= 16 * 2**20 else 4
 
 
-def bench_rank(ctx: RankContext, ops: Sequence[str], sizes: Sequence[int],
-               repeats: int | None = None, warmup: int = 3, ceilings: bool = True,
-               iters: int = ITERS) -> dict:
+def bench_rank(
+    ctx: RankContext,
+    ops: Sequence[str],
+    sizes: Sequence[int],
+    repeats: int | None = None,
+    warmup: int = 3,
+    ceilings: bool = True,
+    iters: int = ITERS,
+) -> dict:
     """Run inside every rank (``labkit.launch``): time each (op, size); rank 0 returns the table."""
     n, rows = ctx.world_size, []
     total = len(ops) * len(sizes)
     for i, (op, nbytes) in enumerate((o, s) for o in ops for s in sizes):
-        times = torch.tensor(time_op(_call(op, n, nbytes, ctx.device), ctx.device,
-                                     repeats_for(nbytes, repeats), warmup, iters), dtype=torch.float64)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)   # a repeat lasts until its slowest rank
+        times = torch.tensor(
+            time_op(
+                _call(op, n, nbytes, ctx.device),
+                ctx.device,
+                repeats_for(nbytes, repeats),
+                warmup,
+                iters,
+            ),
+            dtype=torch.float64,
+        )
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a repeat lasts until its slowest rank
         ctx.report(step=i + 1, total=total, op=op, bytes=nbytes)
         rows.append(row(op, nbytes, n, times.tolist(), ctx.backend or "", str(ctx.device)))
     limits = {}
     if ceilings:
         dist.barrier()
-        if ctx.rank == 0:          # alone: the other ranks wait in the barrier, asleep
+        if ctx.rank == 0:  # alone: the other ranks wait in the barrier, asleep
             limits = measure_ceilings(max(sizes), ctx.device)
         dist.barrier()
     return {"rows": rows, "ceilings": limits} if ctx.rank == 0 else {}
 
 
-def row(op: str, nbytes: int, world_size: int, times: Sequence[float], backend: str,
-        device: str) -> dict:
+def row(
+    op: str, nbytes: int, world_size: int, times: Sequence[float], backend: str, device: str
+) -> dict:
     """One table row with the nccl-tests quantities (bandwidths in GB/s, 1e9 bytes/s)."""
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
     t = statistics.median(times)
     algbw = nbytes / t / 1e9
-    return {"op": op, "bytes": nbytes, "world_size": world_size, "backend": backend,
-            "device": device, "repeats": len(times), "time_s": t, "p10_s": q[0], "p90_s": q[-1],
-            "mean_s": statistics.fmean(times),
-            "algbw": algbw, "busbw": algbw * bus_factor(op, world_size)}
+    return {
+        "op": op,
+        "bytes": nbytes,
+        "world_size": world_size,
+        "backend": backend,
+        "device": device,
+        "repeats": len(times),
+        "time_s": t,
+        "p10_s": q[0],
+        "p90_s": q[-1],
+        "mean_s": statistics.fmean(times),
+        "algbw": algbw,
+        "busbw": algbw * bus_factor(op, world_size),
+    }
 
 
 def measure_ceilings(nbytes: int, device: torch.device, repeats: int = 5) -> dict:
@@ -158,7 +186,7 @@ def measure_ceilings(nbytes: int, device: torch.device, repeats: int = 5) -> dic
         sync()
         times.append(time.perf_counter() - t0)
     out = {"memcpy": src.numel() * 4 / statistics.median(times[1:]) / 1e9}
-    out["loopback TCP"] = loopback_tcp(min(nbytes, 64 * 2 ** 20))
+    out["loopback TCP"] = loopback_tcp(min(nbytes, 64 * 2**20))
     return out
 
 
@@ -195,9 +223,19 @@ def loopback_tcp(nbytes: int, repeats: int = 5) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
-def benchmark(world_size: int = 2, ops: Sequence[str] = OPS, sizes: Sequence[int] | str = "1KiB-16MiB",
-              *, repeats: int | None = None, warmup: int = 3, device: str = "auto",
-              ceilings: bool = True, on_progress=None, cancel=None, timeout_s: float = 600):
+def benchmark(
+    world_size: int = 2,
+    ops: Sequence[str] = OPS,
+    sizes: Sequence[int] | str = "1KiB-16MiB",
+    *,
+    repeats: int | None = None,
+    warmup: int = 3,
+    device: str = "auto",
+    ceilings: bool = True,
+    on_progress=None,
+    cancel=None,
+    timeout_s: float = 600,
+):
     """Launch ``world_size`` ranks and measure; returns ``(table, ceilings)`` (a DataFrame, a
     dict of GB/s). The same function the CLI runs."""
     import pandas as pd
@@ -211,10 +249,17 @@ def benchmark(world_size: int = 2, ops: Sequence[str] = OPS, sizes: Sequence[int
         raise ValueError(f"unknown op(s) {', '.join(bad)}: choose from {', '.join(OPS)}")
     if world_size < 2:
         raise ValueError("a collective needs at least 2 ranks: set world_size >= 2")
-    results = launch(bench_rank, world_size, args=(list(ops), list(sizes)),
-                     kwargs={"repeats": repeats, "warmup": warmup, "ceilings": ceilings},
-                     device=device, timeout_s=timeout_s, threads=1, on_progress=on_progress,
-                     cancel=cancel)
+    results = launch(
+        bench_rank,
+        world_size,
+        args=(list(ops), list(sizes)),
+        kwargs={"repeats": repeats, "warmup": warmup, "ceilings": ceilings},
+        device=device,
+        timeout_s=timeout_s,
+        threads=1,
+        on_progress=on_progress,
+        cancel=cancel,
+    )
     table = pd.DataFrame(results[0]["rows"])
     return table, results[0]["ceilings"]
 
@@ -229,10 +274,16 @@ def fit_report(table, min_bytes: int = 64 * 1024):
     for (op, n), g in table.groupby(["op", "world_size"], sort=False):
         model, rows = held_out_fit(op, int(n), list(g["bytes"]), list(g[FIT_ON]), min_bytes)
         counted = [r["error"] for r in rows if r["counted"]]
-        fits.append({"op": op, "world_size": int(n), "alpha_us": model.alpha_s * 1e6,
-                     "beta_GBps": model.beta / 1e9,
-                     "heldout_median_error": statistics.median(counted) if counted else float("nan"),
-                     "heldout_sizes": len(counted)})
+        fits.append(
+            {
+                "op": op,
+                "world_size": int(n),
+                "alpha_us": model.alpha_s * 1e6,
+                "beta_GBps": model.beta / 1e9,
+                "heldout_median_error": statistics.median(counted) if counted else float("nan"),
+                "heldout_sizes": len(counted),
+            }
+        )
         held += rows
     return pd.DataFrame(fits), pd.DataFrame(held)
 
@@ -243,10 +294,14 @@ def knob_label(cfg) -> str:
     if cfg.bucket_cap_mb is not None:
         parts.append(f"bucket {cfg.bucket_cap_mb:g} MB")
     if cfg.comm_hook != "none":
-        parts.append(cfg.comm_hook + (f" r={cfg.powersgd_rank}" if cfg.comm_hook == "powersgd" else ""))
+        parts.append(
+            cfg.comm_hook + (f" r={cfg.powersgd_rank}" if cfg.comm_hook == "powersgd" else "")
+        )
     if cfg.accumulate > 1:
-        parts.append(f"accumulate {cfg.accumulate}" + (" (sync every)" if cfg.sync_every_microstep
-                                                       else " (no_sync)"))
+        parts.append(
+            f"accumulate {cfg.accumulate}"
+            + (" (sync every)" if cfg.sync_every_microstep else " (no_sync)")
+        )
     return ", ".join(parts)
 
 
@@ -263,19 +318,35 @@ def knob_rows(results, profile=None, network=None):
     for res in results:
         t = experiment.summarize(res.records).iloc[0]
         cfg = res.cfg
-        row = {"config": knob_label(cfg), "step_ms": t["step_ms"], "comm_ms": t["comm_ms"],
-               "compute_ms": t["step_ms"] - t["comm_ms"],
-               "comm_total_ms": t.get("comm_total_ms", float("nan")),
-               "hidden_ms": t.get("hidden_ms", float("nan")),
-               "bytes_per_sample": t.get("bytes_per_sample", 0.0), "loss": t["loss"],
-               "cpu_share": t.get("cpu_share", float("nan")), "busy": bool(t.get("busy", False))}
+        row = {
+            "config": knob_label(cfg),
+            "step_ms": t["step_ms"],
+            "comm_ms": t["comm_ms"],
+            "compute_ms": t["step_ms"] - t["comm_ms"],
+            "comm_total_ms": t.get("comm_total_ms", float("nan")),
+            "hidden_ms": t.get("hidden_ms", float("nan")),
+            "bytes_per_sample": t.get("bytes_per_sample", 0.0),
+            "loss": t["loss"],
+            "cpu_share": t.get("cpu_share", float("nan")),
+            "busy": bool(t.get("busy", False)),
+        }
         if profile is not None and network is not None and cfg.comm_hook != "powersgd":
-            p = predict(profile, network, cfg.strategy, cfg.ranks, cfg.global_batch,
-                        bucket_cap_mb=cfg.bucket_cap_mb, accumulate=cfg.accumulate,
-                        no_sync=not cfg.sync_every_microstep,
-                        compression=0.5 if cfg.comm_hook in ("fp16", "bf16") else 1.0)
-            row.update(predicted_step_ms=1e3 * p.step_s, predicted_exposed_ms=1e3 * p.exposed_s,
-                       predicted_hidden_ms=1e3 * p.hidden_s,
-                       error=(p.step_s * 1e3 - t["step_ms"]) / t["step_ms"])
+            p = predict(
+                profile,
+                network,
+                cfg.strategy,
+                cfg.ranks,
+                cfg.global_batch,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                accumulate=cfg.accumulate,
+                no_sync=not cfg.sync_every_microstep,
+                compression=0.5 if cfg.comm_hook in ("fp16", "bf16") else 1.0,
+            )
+            row.update(
+                predicted_step_ms=1e3 * p.step_s,
+                predicted_exposed_ms=1e3 * p.exposed_s,
+                predicted_hidden_ms=1e3 * p.hidden_s,
+                error=(p.step_s * 1e3 - t["step_ms"]) / t["step_ms"],
+            )
         rows.append(row)
     return pd.DataFrame(rows)

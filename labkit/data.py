@@ -5,6 +5,7 @@ nothing can be learned and no two epochs agree), then applies ``transforms.ToTen
 something that is already a tensor. Here every sample is fixed by the seed, labels come from a
 fixed "teacher" network, and image transforms are the tensor-aware ``torchvision.transforms.v2``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,15 @@ class ToyClassification(Dataset):
 class SyntheticImages(Dataset):
     """Small uint8 images whose class is a stripe orientation and frequency, plus noise."""
 
-    def __init__(self, size: int = 2048, classes: int = 10, image_size: int = 16,
-                 channels: int = 3, seed: int = 0, transform=None):
+    def __init__(
+        self,
+        size: int = 2048,
+        classes: int = 10,
+        image_size: int = 16,
+        channels: int = 3,
+        seed: int = 0,
+        transform=None,
+    ):
         g = torch.Generator().manual_seed(seed)
         self.y = torch.randint(0, classes, (size,), generator=g)
         coords = torch.linspace(0, 1, image_size)
@@ -44,7 +52,7 @@ class SyntheticImages(Dataset):
         wave = torch.sin(2 * torch.pi * freq * (xx * torch.cos(angle) + yy * torch.sin(angle)))
         noise = 0.3 * torch.randn(size, channels, image_size, image_size, generator=g)
         pixels = (wave[:, None] + noise).clamp(-1, 1)
-        self.images = ((pixels + 1) * 127.5).to(torch.uint8)        # like decoded image files
+        self.images = ((pixels + 1) * 127.5).to(torch.uint8)  # like decoded image files
         self.transform = transform if transform is not None else image_transform()
 
     def __len__(self) -> int:
@@ -58,6 +66,7 @@ def image_transform():
     # v2 works on tensors directly: uint8 -> float in [0, 1] -> roughly zero-mean. Imported here:
     # torchvision costs ~2 s to import, and only the image models need it.
     from torchvision.transforms import v2
+
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5], [0.5])])
 
 
@@ -68,19 +77,23 @@ def make_dataset(cfg: RunConfig) -> Dataset:
     return ToyClassification(cfg.dataset_size, cfg.in_features, cfg.classes, seed=cfg.seed)
 
 
-def shard_loader(dataset: Dataset, batch_size: int, rank: int, world_size: int,
-                 seed: int = 0) -> DataLoader:
+def shard_loader(
+    dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int = 0
+) -> DataLoader:
     """Rank ``rank``'s loader: a DistributedSampler shard, shuffled by ``seed`` and the epoch.
 
     With the same seed, the union of every rank's step-k batch is exactly the step-k batch of
     the one-rank loader with ``batch_size * world_size``: that is why DDP can match single-device
     training sample for sample. ``drop_last`` keeps every rank on the same number of steps.
     """
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=True)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
     if len(sampler) < batch_size:
-        raise ValueError(f"each rank's shard has {len(sampler)} samples, fewer than one batch of "
-                         f"{batch_size}: use a larger dataset or a smaller batch")
+        raise ValueError(
+            f"each rank's shard has {len(sampler)} samples, fewer than one batch of "
+            f"{batch_size}: use a larger dataset or a smaller batch"
+        )
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
 
 
@@ -94,7 +107,7 @@ class batches:
     def __init__(self, loader: DataLoader):
         self.loader, self.epoch, self.index, self._it = loader, 0, 0, None
 
-    def __iter__(self) -> "batches":
+    def __iter__(self) -> batches:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:

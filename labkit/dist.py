@@ -6,15 +6,16 @@ hands back an immutable ``RankContext`` and destroys the group even when trainin
 Under ``torchrun`` the same ``session()`` call reads RANK/WORLD_SIZE/LOCAL_RANK from the
 environment, so strategy code runs unchanged.
 """
+
 from __future__ import annotations
 
 import builtins
 import gc
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ class RankContext:
     local_rank: int
     world_size: int
     device: torch.device
-    backend: str | None                 # None when no process group is set up (single process)
+    backend: str | None  # None when no process group is set up (single process)
     # Sends a small dict of metrics to whoever launched this rank (the notebook's progress bars);
     # a no-op under torchrun or in a single process.
     report: Callable[..., None] = field(default=_no_report, repr=False, compare=False)
@@ -51,24 +52,35 @@ class RankContext:
 def local_context(device: str = "auto", report: Callable[..., None] = _no_report) -> RankContext:
     """The context of a plain single process: rank 0 of 1, no process group."""
     kind = resolve_device(device, 1)
-    dev = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    )
     return RankContext(0, 0, 1, dev, None, report)
 
 
-def setup(rank: int, world_size: int, backend: str | None = None, *,
-          master_addr: str | None = None, master_port: int | None = None,
-          timeout_s: float = 300.0) -> RankContext:
+def setup(
+    rank: int,
+    world_size: int,
+    backend: str | None = None,
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout_s: float = 300.0,
+) -> RankContext:
     """The articles' ``setup(rank, world_size)``, without the fixed port and the forced backend.
 
     Rendezvous is through MASTER_ADDR/MASTER_PORT (``labkit.launch(..., setup=False)`` and
-    torchrun set both); pair every call with ``cleanup()``, or use ``session()`` which cannot forget.
+    torchrun set both); pair every call with ``cleanup()``, or use ``session()`` which cannot
+    forget.
     """
     os.environ["MASTER_ADDR"] = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     if master_port is not None:
         os.environ["MASTER_PORT"] = str(master_port)
     if "MASTER_PORT" not in os.environ:
-        raise ValueError("no MASTER_PORT: pass master_port=... (a free port), or start the ranks "
-                         "with labkit.launch(..., setup=False) or torchrun, which set it")
+        raise ValueError(
+            "no MASTER_PORT: pass master_port=... (a free port), or start the ranks "
+            "with labkit.launch(..., setup=False) or torchrun, which set it"
+        )
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = _device_for(local_rank, "auto" if backend != "gloo" else "cpu", world_size)
     backend = backend or default_backend(device.type)
@@ -83,10 +95,17 @@ def cleanup() -> None:
 
 
 @contextmanager
-def session(rank: int | None = None, world_size: int | None = None, *, device: str = "auto",
-            backend: str | None = None, store: "dist.Store | None" = None,
-            timeout_s: float = 300.0, report: Callable[..., None] = _no_report,
-            barrier: bool = True) -> Iterator[RankContext]:
+def session(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    device: str = "auto",
+    backend: str | None = None,
+    store: dist.Store | None = None,
+    timeout_s: float = 300.0,
+    report: Callable[..., None] = _no_report,
+    barrier: bool = True,
+) -> Iterator[RankContext]:
     """Set up the default process group, yield this rank's context, always destroy the group.
 
     With no rank/world_size, read them from the torchrun environment (RANK, WORLD_SIZE,
@@ -99,15 +118,25 @@ def session(rank: int | None = None, world_size: int | None = None, *, device: s
         try:
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         except KeyError:
-            raise ValueError("session() needs rank and world_size, or a torchrun environment "
-                             "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)") from None
+            raise ValueError(
+                "session() needs rank and world_size, or a torchrun environment "
+                "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+            ) from None
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     dev = _device_for(local_rank, device, local_world)
     backend = backend or default_backend(dev.type)
     init = None if store is not None else "env://"
-    _init(backend, dev, init, rank=rank, world_size=world_size, timeout_s=timeout_s, store=store,
-          barrier=barrier)
+    _init(
+        backend,
+        dev,
+        init,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        store=store,
+        barrier=barrier,
+    )
     try:
         yield RankContext(rank, local_rank, world_size, dev, backend, report)
     finally:
@@ -122,17 +151,32 @@ def session(rank: int | None = None, world_size: int | None = None, *, device: s
 def _device_for(local_rank: int, device: str, local_world: int) -> torch.device:
     kind = resolve_device(device, local_world)
     if kind == "cuda":
-        torch.cuda.set_device(local_rank)    # before any CUDA work: NCCL binds to this device
+        torch.cuda.set_device(local_rank)  # before any CUDA work: NCCL binds to this device
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
-def _init(backend: str, device: torch.device, init_method: str | None, *, rank: int,
-          world_size: int, timeout_s: float, store=None, barrier: bool = True) -> None:
+def _init(
+    backend: str,
+    device: torch.device,
+    init_method: str | None,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    store=None,
+    barrier: bool = True,
+) -> None:
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("nccl needs GPU tensors; on CPU ranks use backend='gloo' (or None)")
-    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
     # gloo connects its full mesh lazily; without this a rank that finishes at once can destroy
     # the group while a peer is still connecting ("connectFullMesh failed", ~1 launch in 60).
     if barrier:
@@ -151,9 +195,10 @@ def clock_offset(ctx: RankContext, repeats: int = 8) -> float:
     if not ctx.distributed or local == ctx.world_size:
         return 0.0
     import time
+
     best, offset = float("inf"), 0.0
     t = torch.zeros(1, dtype=torch.float64, device=ctx.device)
-    for peer in range(1, ctx.world_size):            # one rank at a time, against rank 0
+    for peer in range(1, ctx.world_size):  # one rank at a time, against rank 0
         for _ in range(repeats):
             if ctx.rank == peer:
                 sent = time.perf_counter()
@@ -170,6 +215,7 @@ def clock_offset(ctx: RankContext, repeats: int = 8) -> float:
 
 
 # ---- rank-aware output -------------------------------------------------------------------------
+
 
 def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -230,7 +276,7 @@ def all_reduce_flat(tensors: list[torch.Tensor]) -> None:
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
 
 

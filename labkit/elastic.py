@@ -14,6 +14,7 @@ Every process this module starts is tracked (agents and the workers they spawn, 
 puts in their own sessions) and stopped and reaped by ``close()``, which runs on leaving the
 ``with`` block, on an interrupt inside ``wait()``, and at interpreter exit.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -41,21 +42,41 @@ from .launch import free_port
 # They are read as whole seconds (``get_as_int``), so 1 s is the floor. torchrun's own
 # --monitor-interval (how often an agent looks at its workers and for waiting nodes) is already
 # 0.1 s in torch 2.14.1, and is left alone.
-FAST_RDZV = {"join_timeout": 20, "last_call_timeout": 1, "close_timeout": 5,
-             "keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+FAST_RDZV = {
+    "join_timeout": 20,
+    "last_call_timeout": 1,
+    "close_timeout": 5,
+    "keep_alive_interval": 1,
+    "keep_alive_max_attempt": 3,
+}
 # torch 2.x shares the rendezvous TCP store with the workers by default; an agent that was rank
 # 0 in the first round does not publish MASTER_ADDR for the next round, so a node joining a
 # running job waits for it until the store times out (checked here: a join hung 60 s, then both
 # agents failed). A separate store per round re-forms correctly.
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # RunConfig fields passed to the workers
-_PASS = ("steps", "warmup", "global_batch", "lr", "seed", "model", "width", "depth",
-         "dataset_size", "accumulate", "checkpoint_every", "timeout_s", "threads", "pace_s")
+_PASS = (
+    "steps",
+    "warmup",
+    "global_batch",
+    "lr",
+    "seed",
+    "model",
+    "width",
+    "depth",
+    "dataset_size",
+    "accumulate",
+    "checkpoint_every",
+    "timeout_s",
+    "threads",
+    "pace_s",
+)
 
 
 def worker_args(cfg: RunConfig) -> list[str]:
     """``labkit.worker`` flags for the fields of ``cfg`` a job passes on."""
     from .__main__ import FLAGS
+
     out = ["--strategy", cfg.strategy]
     for name in _PASS:
         value = getattr(cfg, name)
@@ -75,8 +96,10 @@ def check_nnodes(nnodes: str | int, agents: int | None = None) -> tuple[int, int
     if lo < 1 or hi < lo:
         raise ValueError(f"nnodes {text!r} can never be met: need 1 <= MIN <= MAX (e.g. 1:2)")
     if agents is not None and agents < lo:
-        raise ValueError(f"nnodes {text!r} needs at least {lo} agents before training starts, "
-                         f"but {agents} will be started: start {lo} or lower MIN")
+        raise ValueError(
+            f"nnodes {text!r} needs at least {lo} agents before training starts, "
+            f"but {agents} will be started: start {lo} or lower MIN"
+        )
     return lo, hi
 
 
@@ -88,7 +111,7 @@ class Agent:
     proc: subprocess.Popen
     log: str
     started: float = field(default_factory=time.time)
-    left: bool = False                 # removed on purpose (its exit status is not a failure)
+    left: bool = False  # removed on purpose (its exit status is not a failure)
 
     @property
     def alive(self) -> bool:
@@ -136,23 +159,36 @@ class ElasticJob:
     ``checkpoint_every`` steps. ``cfg.world_size`` is ignored: torchrun sets it.
     """
 
-    def __init__(self, cfg: RunConfig, *, nnodes: str | int = "1:2", nproc_per_node: int = 1,
-                 max_restarts: int = 3, folder: str | None = None, port: int | None = None,
-                 rdzv: dict | None = None, endpoint: str | None = None,
-                 checkpoint_every: int = 5):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        nnodes: str | int = "1:2",
+        nproc_per_node: int = 1,
+        max_restarts: int = 3,
+        folder: str | None = None,
+        port: int | None = None,
+        rdzv: dict | None = None,
+        endpoint: str | None = None,
+        checkpoint_every: int = 5,
+    ):
         self.min_nodes, self.max_nodes = self.check(cfg, nnodes, nproc_per_node)
         self.folder = folder or tempfile.mkdtemp(prefix="labkit-elastic-")
         os.makedirs(self.folder, exist_ok=True)
-        self.cfg = cfg.replace(checkpoint_dir=cfg.checkpoint_dir or os.path.join(self.folder,
-                                                                                 "ckpt"),
-                               checkpoint_every=checkpoint_every)
-        self.nnodes, self.nproc, self.max_restarts = f"{self.min_nodes}:{self.max_nodes}", \
-            nproc_per_node, max_restarts
+        self.cfg = cfg.replace(
+            checkpoint_dir=cfg.checkpoint_dir or os.path.join(self.folder, "ckpt"),
+            checkpoint_every=checkpoint_every,
+        )
+        self.nnodes, self.nproc, self.max_restarts = (
+            f"{self.min_nodes}:{self.max_nodes}",
+            nproc_per_node,
+            max_restarts,
+        )
         self.endpoint = endpoint or f"127.0.0.1:{port or free_port()}"
         self.rdzv = {**FAST_RDZV, **(rdzv or {})}
         self.run_id = uuid.uuid4().hex[:8]
         self.agents: list[Agent] = []
-        self.events: list[dict] = []      # what was done to the job, and when (time.time())
+        self.events: list[dict] = []  # what was done to the job, and when (time.time())
         self.records_path = os.path.join(self.folder, "records.json")
         _LIVE.add(self)
 
@@ -161,46 +197,81 @@ class ElasticJob:
         """(min, max) nodes, or a ValueError naming the fix, before any process starts."""
         lo, hi = check_nnodes(nnodes)
         default = RunConfig()
-        unsaid = [f for f in ("in_features", "classes", "sync_batchnorm", "deterministic")
-                  if getattr(cfg, f) != getattr(default, f)]
-        if unsaid:                       # the workers are configured by labkit.worker's flags
-            raise ValueError(f"labkit.worker has no flag for {', '.join(unsaid)}: an elastic job "
-                             f"runs them at their defaults; reset them in the config")
+        unsaid = [
+            f
+            for f in ("in_features", "classes", "sync_batchnorm", "deterministic")
+            if getattr(cfg, f) != getattr(default, f)
+        ]
+        if unsaid:  # the workers are configured by labkit.worker's flags
+            raise ValueError(
+                f"labkit.worker has no flag for {', '.join(unsaid)}: an elastic job "
+                f"runs them at their defaults; reset them in the config"
+            )
         if cfg.strategy not in ("ddp", "ddp_naive"):
-            raise ValueError(f"an elastic job runs ddp or ddp_naive (its world size changes), "
-                             f"got {cfg.strategy!r}")
+            raise ValueError(
+                f"an elastic job runs ddp or ddp_naive (its world size changes), "
+                f"got {cfg.strategy!r}"
+            )
         if nproc_per_node < 1:
             raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
         for ws in range(lo * nproc_per_node, hi * nproc_per_node + 1):
             if cfg.global_batch % (ws * cfg.accumulate):
-                raise ValueError(f"global batch {cfg.global_batch} does not split over world "
-                                 f"size {ws} (reachable with nnodes {nnodes}): pick a multiple "
-                                 f"of every world size in range")
+                raise ValueError(
+                    f"global batch {cfg.global_batch} does not split over world "
+                    f"size {ws} (reachable with nnodes {nnodes}): pick a multiple "
+                    f"of every world size in range"
+                )
         return lo, hi
 
     # ---- membership --------------------------------------------------------------------------
 
     def command(self) -> list[str]:
         conf = ",".join(f"{k}={v}" for k, v in self.rdzv.items())
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", self.nnodes,
-                "--nproc-per-node", str(self.nproc), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id, "--rdzv-conf", conf,
-                "--max-restarts", str(self.max_restarts), "-m", "labkit.worker",
-                *worker_args(self.cfg), "--checkpoint-dir", self.cfg.checkpoint_dir,
-                "--out", self.records_path]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            self.nnodes,
+            "--nproc-per-node",
+            str(self.nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            self.endpoint,
+            "--rdzv-id",
+            self.run_id,
+            "--rdzv-conf",
+            conf,
+            "--max-restarts",
+            str(self.max_restarts),
+            "-m",
+            "labkit.worker",
+            *worker_args(self.cfg),
+            "--checkpoint-dir",
+            self.cfg.checkpoint_dir,
+            "--out",
+            self.records_path,
+        ]
 
     def add_agent(self) -> Agent:
         """Start one more agent (a node joining)."""
         if len([a for a in self.agents if a.alive]) >= self.max_nodes:
-            raise ValueError(f"the job already has {self.max_nodes} live agents, its most "
-                             f"(nnodes {self.nnodes})")
+            raise ValueError(
+                f"the job already has {self.max_nodes} live agents, its most (nnodes {self.nnodes})"
+            )
         index = len(self.agents)
         log = os.path.join(self.folder, f"agent{index}.log")
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1", **AGENT_ENV}
-        with open(log, "w") as f:          # own session: a notebook interrupt does not reach it
-            proc = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+            **AGENT_ENV,
+        }
+        with open(log, "w") as f:  # own session: a notebook interrupt does not reach it
+            proc = subprocess.Popen(
+                self.command(), stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         agent = Agent(index, proc, log)
         self.agents.append(agent)
         self.events.append({"time": agent.started, "event": "join", "agent": index})
@@ -225,8 +296,9 @@ class ElasticJob:
                 raise RuntimeError(f"agent {agent.index} has no worker to kill")
             time.sleep(0.05)
         victim = workers[-1]
-        self.events.append({"time": time.time(), "event": "kill", "agent": agent.index,
-                            "pid": victim.pid})
+        self.events.append(
+            {"time": time.time(), "event": "kill", "agent": agent.index, "pid": victim.pid}
+        )
         victim.kill()
         return victim.pid
 
@@ -238,8 +310,9 @@ class ElasticJob:
             return live[-1]
         agent = next((a for a in live if a.index == index), None)
         if agent is None:
-            raise ValueError(f"agent {index} is not running (running: "
-                             f"{', '.join(str(a.index) for a in live)})")
+            raise ValueError(
+                f"agent {index} is not running (running: {', '.join(str(a.index) for a in live)})"
+            )
         return agent
 
     # ---- reading -----------------------------------------------------------------------------
@@ -253,13 +326,15 @@ class ElasticJob:
         job's first agent started."""
         tl = self.timeline()
         if tl.empty or "step" not in tl or not (tl["event"] == "step").any():
-            return pd.DataFrame(columns=["step", "world_size", "loss", "attempt", "time_s",
-                                         "samples_per_s"])
+            return pd.DataFrame(
+                columns=["step", "world_size", "loss", "attempt", "time_s", "samples_per_s"]
+            )
         rows = tl[tl["event"] == "step"].copy()
         rows["time_s"] = rows["time"] - self.t0
         rows["samples_per_s"] = rows["samples"] / rows["step_s"]
-        return rows[["step", "world_size", "loss", "attempt", "time_s", "step_s",
-                     "samples_per_s"]].reset_index(drop=True)
+        return rows[
+            ["step", "world_size", "loss", "attempt", "time_s", "step_s", "samples_per_s"]
+        ].reset_index(drop=True)
 
     @property
     def t0(self) -> float:
@@ -279,8 +354,10 @@ class ElasticJob:
                 a.proc.wait(timeout=max(0.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             self.close()
-            raise TimeoutError(f"the elastic job did not finish in {timeout_s:.0f} s: every "
-                               f"agent was stopped; logs in {self.folder}") from None
+            raise TimeoutError(
+                f"the elastic job did not finish in {timeout_s:.0f} s: every "
+                f"agent was stopped; logs in {self.folder}"
+            ) from None
         except BaseException:
             self.close()
             raise
@@ -294,16 +371,20 @@ class ElasticJob:
         log = agent.output()
         where = f"(agent {agent.index} exited with {agent.proc.returncode}; log {agent.log})"
         if "RendezvousConnectionError" in log:
-            return (f"nobody serves the rendezvous endpoint {self.endpoint}: the agent could not "
-                    f"reach it within read_timeout={self.rdzv.get('read_timeout', 60)} s. Start "
-                    f"the first agent on that host (the c10d store runs in it) or fix "
-                    f"--rdzv-endpoint {where}")
+            return (
+                f"nobody serves the rendezvous endpoint {self.endpoint}: the agent could not "
+                f"reach it within read_timeout={self.rdzv.get('read_timeout', 60)} s. Start "
+                f"the first agent on that host (the c10d store runs in it) or fix "
+                f"--rdzv-endpoint {where}"
+            )
         if "RendezvousTimeoutError" in log:
-            return (f"the group never reached its minimum of {self.min_nodes} node(s) (nnodes "
-                    f"{self.nnodes}) within join_timeout={self.rdzv['join_timeout']} s: start "
-                    f"{self.min_nodes} agents, or lower MIN in nnodes MIN:MAX {where}")
+            return (
+                f"the group never reached its minimum of {self.min_nodes} node(s) (nnodes "
+                f"{self.nnodes}) within join_timeout={self.rdzv['join_timeout']} s: start "
+                f"{self.min_nodes} agents, or lower MIN in nnodes MIN:MAX {where}"
+            )
         if "labkit.worker: error:" in log:
-            line = next(l for l in log.splitlines() if "labkit.worker: error:" in l)
+            line = next(ln for ln in log.splitlines() if "labkit.worker: error:" in ln)
             return f"{line.split('error:', 1)[1].strip()} {where}"
         tail = "\n".join(log.strip().splitlines()[-15:])
         return f"the job failed {where}:\n{tail}"
@@ -317,9 +398,11 @@ class ElasticJob:
                 if predicate(rows):
                     return rows
                 if time.time() > deadline or self.done():
-                    raise TimeoutError(f"the condition was not met within {timeout_s:.0f} s "
-                                       f"(agents exited: {self.returncodes()}); logs in "
-                                       f"{self.folder}:\n{self.agents[-1].output()[-2000:]}")
+                    raise TimeoutError(
+                        f"the condition was not met within {timeout_s:.0f} s "
+                        f"(agents exited: {self.returncodes()}); logs in "
+                        f"{self.folder}:\n{self.agents[-1].output()[-2000:]}"
+                    )
                 time.sleep(poll_s)
         except BaseException:
             if not isinstance(sys.exc_info()[1], TimeoutError):
@@ -368,23 +451,24 @@ class ElasticJob:
                 continue
         return found
 
-    def __enter__(self) -> "ElasticJob":
+    def __enter__(self) -> ElasticJob:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-_LIVE: "weakref.WeakSet[ElasticJob]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[ElasticJob] = weakref.WeakSet()
 
 
 @atexit.register
-def _close_all() -> None:              # a kernel shutting down takes its jobs with it
+def _close_all() -> None:  # a kernel shutting down takes its jobs with it
     for job in list(_LIVE):
         job.close(grace_s=2.0)
 
 
 # ---- what happened --------------------------------------------------------------------------
+
 
 def changes(job_events: list[dict], steps: pd.DataFrame, t0: float) -> pd.DataFrame:
     """Per join, leave or kill: when it happened, the world sizes before and after, the last
@@ -396,21 +480,28 @@ def changes(job_events: list[dict], steps: pd.DataFrame, t0: float) -> pd.DataFr
     for ev in job_events:
         t = ev["time"] - t0
         before = steps[steps["time_s"] <= t]
-        if before.empty:                 # the first node: nothing to re-form
+        if before.empty:  # the first node: nothing to re-form
             continue
         old = before.iloc[-1]
         later = steps[steps["time_s"] > t]
-        new = later[(later["attempt"] != old["attempt"]) |
-                    (later["world_size"] != old["world_size"])]
+        new = later[
+            (later["attempt"] != old["attempt"]) | (later["world_size"] != old["world_size"])
+        ]
         if new.empty:
             continue
         first = new.iloc[0]
         last = steps[steps["time_s"] < first["time_s"]].iloc[-1]
-        rows.append({"event": ev["event"], "at_s": round(t, 2),
-                     "world_before": int(last["world_size"]),
-                     "world_after": int(first["world_size"]),
-                     "last_step_before": int(last["step"]), "first_step_after": int(first["step"]),
-                     "steps_lost": max(0, int(last["step"] - (first["step"] - 1))),
-                     "reform_s": round(float(first["time_s"] - t), 2),
-                     "pause_s": round(float(first["time_s"] - last["time_s"]), 2)})
+        rows.append(
+            {
+                "event": ev["event"],
+                "at_s": round(t, 2),
+                "world_before": int(last["world_size"]),
+                "world_after": int(first["world_size"]),
+                "last_step_before": int(last["step"]),
+                "first_step_after": int(first["step"]),
+                "steps_lost": max(0, int(last["step"] - (first["step"] - 1))),
+                "reform_s": round(float(first["time_s"] - t), 2),
+                "pause_s": round(float(first["time_s"] - last["time_s"]), 2),
+            }
+        )
     return pd.DataFrame(rows)

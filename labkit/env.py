@@ -4,6 +4,7 @@ This is the articles' "check your environment" step (``torch.cuda.is_available()
 ``device_count()``) done properly: it also says which backends exist, which one labkit picks,
 and how many ranks the machine can run honestly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,31 +46,36 @@ class EnvReport:
     cudnn: int | None
     devices: tuple[Device, ...]
     cpu_cores: int
-    backends: dict = field(default_factory=dict)   # name -> available
-    device: str = "cpu"                             # what labkit uses by default: "cuda" or "cpu"
+    backends: dict = field(default_factory=dict)  # name -> available
+    device: str = "cpu"  # what labkit uses by default: "cuda" or "cpu"
     backend: str = "gloo"
-    max_world_size: int = 1                         # largest world size served without sharing
+    max_world_size: int = 1  # largest world size served without sharing
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def lines(self) -> list[str]:
         cuda = f"built for CUDA {self.cuda}" if self.cuda else "CPU-only build"
-        out = [f"python {self.python}, torch {self.torch} ({cuda})",
-               f"CPU cores: {self.cpu_cores}"]
+        out = [f"python {self.python}, torch {self.torch} ({cuda})", f"CPU cores: {self.cpu_cores}"]
         if self.devices:
-            out += [f"cuda:{d.index}  {d.name}  {d.memory_gib:.1f} GiB  sm_{d.capability}"
-                    for d in self.devices]
+            out += [
+                f"cuda:{d.index}  {d.name}  {d.memory_gib:.1f} GiB  sm_{d.capability}"
+                for d in self.devices
+            ]
         else:
             out.append("GPUs: none (ranks will be CPU processes talking over gloo)")
-        out.append("backends: " + ", ".join(
-            f"{k} {'yes' if v else 'no'}" for k, v in self.backends.items()))
+        out.append(
+            "backends: "
+            + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in self.backends.items())
+        )
         out.append(f"labkit uses: device={self.device}, backend={self.backend}")
         unit = "GPU" if self.device == "cuda" else "core"
         out.append(f"largest honest world size: {self.max_world_size} (one rank per {unit})")
         if self.device == "cpu":
-            out.append("  more ranks are allowed on CPU, but they share cores and are flagged "
-                       "as oversubscribed")
+            out.append(
+                "  more ranks are allowed on CPU, but they share cores and are flagged "
+                "as oversubscribed"
+            )
         return out
 
     def __str__(self) -> str:
@@ -79,18 +85,31 @@ class EnvReport:
         rows = "".join(
             f"<tr><td style='text-align:left'>{html.escape(k)}</td>"
             f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
-            for k, v in self._table().items())
-        return (f"<table><thead><tr><th colspan=2 style='text-align:left'>labkit environment"
-                f"</th></tr></thead><tbody>{rows}</tbody></table>")
+            for k, v in self._table().items()
+        )
+        return (
+            f"<table><thead><tr><th colspan=2 style='text-align:left'>labkit environment"
+            f"</th></tr></thead><tbody>{rows}</tbody></table>"
+        )
 
     def _table(self) -> dict:
-        gpus = "; ".join(f"cuda:{d.index} {d.name} ({d.memory_gib:.1f} GiB, sm_{d.capability})"
-                         for d in self.devices) or "none"
-        return {"Python": self.python, "torch": self.torch, "torch built for CUDA": self.cuda or "none (CPU-only build)",
-                "GPUs": gpus, "CPU cores": self.cpu_cores,
-                "backends": ", ".join(k for k, v in self.backends.items() if v),
-                "labkit device / backend": f"{self.device} / {self.backend}",
-                "largest honest world size": self.max_world_size}
+        gpus = (
+            "; ".join(
+                f"cuda:{d.index} {d.name} ({d.memory_gib:.1f} GiB, sm_{d.capability})"
+                for d in self.devices
+            )
+            or "none"
+        )
+        return {
+            "Python": self.python,
+            "torch": self.torch,
+            "torch built for CUDA": self.cuda or "none (CPU-only build)",
+            "GPUs": gpus,
+            "CPU cores": self.cpu_cores,
+            "backends": ", ".join(k for k, v in self.backends.items() if v),
+            "labkit device / backend": f"{self.device} / {self.backend}",
+            "largest honest world size": self.max_world_size,
+        }
 
 
 def probe() -> EnvReport:
@@ -100,15 +119,25 @@ def probe() -> EnvReport:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             devices.append(Device(i, p.name, p.total_memory / 2**30, f"{p.major}{p.minor}"))
-    backends = {"nccl": dist.is_nccl_available() and bool(devices),
-                "gloo": dist.is_gloo_available(), "mpi": dist.is_mpi_available()}
+    backends = {
+        "nccl": dist.is_nccl_available() and bool(devices),
+        "gloo": dist.is_gloo_available(),
+        "mpi": dist.is_mpi_available(),
+    }
     device = "cuda" if devices else "cpu"
     cores = cpu_cores()
     return EnvReport(
-        python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
         cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        devices=tuple(devices), cpu_cores=cores, backends=backends, device=device,
-        backend=default_backend(device), max_world_size=len(devices) or cores)
+        devices=tuple(devices),
+        cpu_cores=cores,
+        backends=backends,
+        device=device,
+        backend=default_backend(device),
+        max_world_size=len(devices) or cores,
+    )
 
 
 def default_backend(device: str) -> str:
@@ -122,11 +151,14 @@ def resolve_device(device: str, ranks: int) -> str:
         return "cuda" if gpus >= ranks else "cpu"
     if device == "cuda":
         if gpus == 0:
-            raise ValueError("device='cuda' but this machine has no usable GPU: "
-                             "use device='cpu' (or 'auto')")
+            raise ValueError(
+                "device='cuda' but this machine has no usable GPU: use device='cpu' (or 'auto')"
+            )
         if ranks > gpus:
-            raise ValueError(f"world size {ranks} needs {ranks} GPUs (one per rank) but this machine "
-                             f"has {gpus}: lower world_size to {gpus} or use device='cpu'")
+            raise ValueError(
+                f"world size {ranks} needs {ranks} GPUs (one per rank) but this machine "
+                f"has {gpus}: lower world_size to {gpus} or use device='cpu'"
+            )
     elif device != "cpu":
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     return device
@@ -137,8 +169,10 @@ def oversubscription(ranks: int, threads_per_rank: int = 1) -> str | None:
     cores = cpu_cores()
     if ranks * threads_per_rank <= cores:
         return None
-    return (f"{ranks} CPU ranks x {threads_per_rank} thread(s) on {cores} cores: ranks time-share "
-            f"the cores, so throughput and speed-ups at this world size are not real parallelism")
+    return (
+        f"{ranks} CPU ranks x {threads_per_rank} thread(s) on {cores} cores: ranks time-share "
+        f"the cores, so throughput and speed-ups at this world size are not real parallelism"
+    )
 
 
 def warn_if_oversubscribed(ranks: int, threads_per_rank: int = 1) -> str | None:

@@ -20,9 +20,10 @@ one), by ~1e-7 a step. Training that is unstable at the chosen learning rate amp
 every step (resnet18 on noise images at lr 0.05: 4e-7, 2e-5, 1e-3 after 1, 2, 3 steps); check a
 few steps at a learning rate where the model trains smoothly.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pandas as pd
 from torch import nn
@@ -31,8 +32,14 @@ from .config import DATA_PARALLEL, PIPELINE_STRATEGIES, RunConfig
 from .env import resolve_device
 from .factories import Factories
 
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-            nn.FeatureAlphaDropout)
+_DROPOUT = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
 
 
 def batch_stat_layers(model: nn.Module) -> list[str]:
@@ -42,13 +49,17 @@ def batch_stat_layers(model: nn.Module) -> list[str]:
 
 def random_layers(model: nn.Module) -> list[str]:
     """Layers that draw random numbers in training: dropout, and attention dropout."""
-    return [n for n, m in model.named_modules()
-            if (isinstance(m, _DROPOUT) and m.p > 0)
-            or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if (isinstance(m, _DROPOUT) and m.p > 0)
+        or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
+    ]
 
 
 def without_dropout(model_fn):
     """``model_fn`` with every dropout probability set to 0 (the model is otherwise unchanged)."""
+
     def build(cfg: RunConfig) -> nn.Module:
         model = Factories(model_fn).model(cfg)
         for m in model.modules():
@@ -57,64 +68,110 @@ def without_dropout(model_fn):
             elif isinstance(m, nn.MultiheadAttention):
                 m.dropout = 0.0
         return model
+
     return build
 
 
-def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, *, steps: int = 5,
-          tol: float = 1e-5, model_fn=None, data_fn=None, loss_fn=None,
-          optimizer_fn=None) -> pd.DataFrame:
+def check(
+    base: RunConfig,
+    strategies: Sequence[str],
+    world_size: int = 2,
+    *,
+    steps: int = 5,
+    tol: float = 1e-5,
+    model_fn=None,
+    data_fn=None,
+    loss_fn=None,
+    optimizer_fn=None,
+) -> pd.DataFrame:
     """Train each strategy ``steps`` steps from the same weights on the same global batches and
     compare its final parameters and buffers with single-device training's."""
     from .experiment import run
+
     strategies = [s for s in strategies if s != "single"]
     if base.rebalance == "join":
-        raise ValueError("rebalance='join' trains uneven inputs: ranks that ran out stop "
-                         "contributing, so the global batches differ from single-device "
-                         "training's by design; check static or dynamic shares instead")
+        raise ValueError(
+            "rebalance='join' trains uneven inputs: ranks that ran out stop "
+            "contributing, so the global batches differ from single-device "
+            "training's by design; check static or dynamic shares instead"
+        )
     cfg = base.replace(steps=steps, warmup=0, deterministic=True)
-    for name in strategies:                 # every config valid before anything runs
+    for name in strategies:  # every config valid before anything runs
         cfg.replace(strategy=name, world_size=_ws(cfg, name, world_size))
     model = Factories(model_fn).model(cfg)
     bn, rand = batch_stat_layers(model), random_layers(model)
-    kwargs = dict(data_fn=data_fn, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
-                  model_fn=without_dropout(model_fn) if rand else model_fn)
+    kwargs = dict(
+        data_fn=data_fn,
+        loss_fn=loss_fn,
+        optimizer_fn=optimizer_fn,
+        model_fn=without_dropout(model_fn) if rand else model_fn,
+    )
     # the reference is plain single-device training on the whole global batch: no accumulation
     # (a strategy's accumulate=k must reach the same parameters), no compression, and no load
     # balancing (any shares of the global batch must reach the same parameters)
-    ref = run(cfg.replace(strategy="single", world_size=1, accumulate=1, comm_hook="none",
-                          sync_every_microstep=False, slowdown=(), skew=0.0,
-                          rebalance="static"), **kwargs).params
+    ref = run(
+        cfg.replace(
+            strategy="single",
+            world_size=1,
+            accumulate=1,
+            comm_hook="none",
+            sync_every_microstep=False,
+            slowdown=(),
+            skew=0.0,
+            rebalance="static",
+        ),
+        **kwargs,
+    ).params
     rows = []
     for name in strategies:
         ws = _ws(cfg, name, world_size)
         run_cfg, adjust, why = cfg.replace(strategy=name, world_size=ws), [], []
         if rand:
             adjust.append("dropout off")
-            why.append(f"{len(rand)} random layer(s) ({_few(rand)}): each rank draws its own "
-                       f"masks, single draws others for the same samples; compared with p=0")
+            why.append(
+                f"{len(rand)} random layer(s) ({_few(rand)}): each rank draws its own "
+                f"masks, single draws others for the same samples; compared with p=0"
+            )
         if bn and name in DATA_PARALLEL and ws > 1:
             run_cfg = run_cfg.replace(sync_batchnorm=True)
             kind = resolve_device(cfg.device, ws)
-            adjust.append("sync batchnorm (nn.SyncBatchNorm)" if kind == "cuda"
-                          else "sync batchnorm (labkit.syncbn over gloo)")
-            why.append(f"{len(bn)} batch-norm layer(s) ({_few(bn)}): per-rank batch statistics "
-                       f"differ from the global batch's; synchronised, they are the same")
-        elif bn and name in PIPELINE_STRATEGIES and cfg.microbatches > 1 and name != "model_parallel":
-            why.append(f"batch norm normalises each micro-batch on its own, single the whole "
-                       f"batch: not the same computation at M={cfg.microbatches} (use M=1, or "
-                       f"LayerNorm/GroupNorm)")
+            adjust.append(
+                "sync batchnorm (nn.SyncBatchNorm)"
+                if kind == "cuda"
+                else "sync batchnorm (labkit.syncbn over gloo)"
+            )
+            why.append(
+                f"{len(bn)} batch-norm layer(s) ({_few(bn)}): per-rank batch statistics "
+                f"differ from the global batch's; synchronised, they are the same"
+            )
+        elif (
+            bn and name in PIPELINE_STRATEGIES and cfg.microbatches > 1 and name != "model_parallel"
+        ):
+            why.append(
+                f"batch norm normalises each micro-batch on its own, single the whole "
+                f"batch: not the same computation at M={cfg.microbatches} (use M=1, or "
+                f"LayerNorm/GroupNorm)"
+            )
         got = run(run_cfg, **kwargs).params
         if set(got) != set(ref):
-            raise AssertionError(f"{name} returned state {sorted(set(got) ^ set(ref))} that "
-                                 f"single does not have (or lacks it)")
+            raise AssertionError(
+                f"{name} returned state {sorted(set(got) ^ set(ref))} that "
+                f"single does not have (or lacks it)"
+            )
         param_names = {n for n, _ in model.named_parameters()}
-        rows.append({"strategy": name, "world_size": ws, "steps": steps,
-                     "compared": "parameters + buffers" if len(got) > len(param_names)
-                     else "parameters",
-                     "adjustments": ", ".join(adjust) or "none",
-                     "max_abs_diff": _max_diff(got, ref),
-                     "max_buffer_diff": _max_diff(got, ref, set(got) - param_names),
-                     "tol": tol, "why": "; ".join(why)})
+        rows.append(
+            {
+                "strategy": name,
+                "world_size": ws,
+                "steps": steps,
+                "compared": "parameters + buffers" if len(got) > len(param_names) else "parameters",
+                "adjustments": ", ".join(adjust) or "none",
+                "max_abs_diff": _max_diff(got, ref),
+                "max_buffer_diff": _max_diff(got, ref, set(got) - param_names),
+                "tol": tol,
+                "why": "; ".join(why),
+            }
+        )
         rows[-1]["ok"] = rows[-1]["max_abs_diff"] <= tol
     return pd.DataFrame(rows)
 
@@ -125,8 +182,7 @@ def _ws(cfg: RunConfig, name: str, world_size: int) -> int:
 
 def _max_diff(got: dict, ref: dict, keys=None) -> float:
     keys = ref.keys() if keys is None else keys
-    diffs = [(got[k].double() - ref[k].double()).abs().max().item() for k in keys
-             if ref[k].numel()]
+    diffs = [(got[k].double() - ref[k].double()).abs().max().item() for k in keys if ref[k].numel()]
     return max(diffs, default=0.0)
 
 

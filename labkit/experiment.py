@@ -4,13 +4,14 @@ Data flows one way: RunConfig -> ``launch`` -> per-rank records -> a tidy DataFr
 rank and step) -> ``summarize`` (one row per strategy and world size). Aggregates are always
 computed from the records, never stored beside them.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import pandas as pd
 import torch
@@ -31,14 +32,21 @@ Progress = Callable[[int, dict], None]
 class RunResult:
     cfg: RunConfig
     records: pd.DataFrame
-    params: dict | None               # whole-model parameters (check mode), merged over ranks
+    params: dict | None  # whole-model parameters (check mode), merged over ranks
     notes: list[str] = field(default_factory=list)
-    results: list[dict] = field(default_factory=list, repr=False)   # raw per-rank results
+    results: list[dict] = field(default_factory=list, repr=False)  # raw per-rank results
 
 
-def run(cfg: RunConfig, *, model_fn=None, data_fn=None, loss_fn=None, optimizer_fn=None,
-        on_progress: Progress | None = None,
-        cancel: threading.Event | None = None) -> RunResult:
+def run(
+    cfg: RunConfig,
+    *,
+    model_fn=None,
+    data_fn=None,
+    loss_fn=None,
+    optimizer_fn=None,
+    on_progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+) -> RunResult:
     """Launch ``cfg`` on ``cfg.ranks`` processes and collect what every rank measured.
 
     Your own ``model_fn``/``data_fn``/``loss_fn``/``optimizer_fn`` (see ``labkit.factories``)
@@ -49,8 +57,17 @@ def run(cfg: RunConfig, *, model_fn=None, data_fn=None, loss_fn=None, optimizer_
     threads = cfg.threads or _threads_for(cfg, kind)
     oversub = oversubscription(cfg.ranks, threads) if kind == "cpu" else None
     notes = [oversub] if oversub else []
-    results = launch(run_rank, cfg.ranks, args=(cfg, fns), timeout_s=cfg.timeout_s, device=kind,
-                     backend=cfg.backend, threads=threads, on_progress=on_progress, cancel=cancel)
+    results = launch(
+        run_rank,
+        cfg.ranks,
+        args=(cfg, fns),
+        timeout_s=cfg.timeout_s,
+        device=kind,
+        backend=cfg.backend,
+        threads=threads,
+        on_progress=on_progress,
+        cancel=cancel,
+    )
     records = finalize([rec for res in results for rec in res["records"]])
     records["oversubscribed"] = oversub is not None
     records["variant"] = variant(cfg)
@@ -60,7 +77,7 @@ def run(cfg: RunConfig, *, model_fn=None, data_fn=None, loss_fn=None, optimizer_
     params = None
     if cfg.deterministic:
         params = {}
-        for res in results:               # DDP: every rank holds all; pipeline: one stage each
+        for res in results:  # DDP: every rank holds all; pipeline: one stage each
             params.update(res["params"] or {})
     return RunResult(cfg, records, params, notes, results)
 
@@ -109,17 +126,25 @@ def _pipeline_columns(df: pd.DataFrame) -> None:
     schedule, M = df["schedule"].iloc[0], int(df["microbatches"].iloc[0])
     P = int(df["world_size"].iloc[0])
     steps = []
-    for col in ("span_s", "bubble_fraction", "bubble_predicted", "span_predicted_s",
-                "handoff_s", "dispatch_gap_s"):
+    for col in (
+        "span_s",
+        "bubble_fraction",
+        "bubble_predicted",
+        "span_predicted_s",
+        "handoff_s",
+        "dispatch_gap_s",
+    ):
         df[col] = math.nan
     for _, g in df.groupby("step"):
         origin = g["start_s"].min()
         for i in g.index:
-            df.at[i, "events"] = [{**e, "start": e["start"] - origin, "end": e["end"] - origin}
-                                  for e in df.at[i, "events"]]
+            df.at[i, "events"] = [
+                {**e, "start": e["start"] - origin, "end": e["end"] - origin}
+                for e in df.at[i, "events"]
+            ]
         events = [e for i in g.index for e in df.at[i, "events"]]
         span = max(e["end"] for e in events) - min(e["start"] for e in events)
-        measured = bubble_per_stage(events)          # one formula for both columns
+        measured = bubble_per_stage(events)  # one formula for both columns
         costs = costs_from_steps([events], P)
         predicted = predict_step(schedule, M, costs)
         for i in g.index:
@@ -141,11 +166,13 @@ def latency_note(costs: ScheduleCosts, microbatches: int) -> str | None:
     overhead = max(costs.handoff_s, default=0.0) + max(costs.gap_s, default=0.0)
     if compute <= 0 or overhead < 0.25 * compute:
         return None
-    return (f"micro-batches are latency-bound: each costs {1e3 * compute:.2f} ms of compute (F+B) "
-            f"on its fastest stage, but {1e3 * overhead:.2f} ms of hand-off and dispatch, which "
-            f"the closed form (P-1)/(M+P-1) counts as zero; the measured bubble sits above it. "
-            f"Fewer micro-batches (M={microbatches} now), a larger global batch or a wider "
-            f"model give each micro-batch more compute per message")
+    return (
+        f"micro-batches are latency-bound: each costs {1e3 * compute:.2f} ms of compute (F+B) "
+        f"on its fastest stage, but {1e3 * overhead:.2f} ms of hand-off and dispatch, which "
+        f"the closed form (P-1)/(M+P-1) counts as zero; the measured bubble sits above it. "
+        f"Fewer micro-batches (M={microbatches} now), a larger global batch or a wider "
+        f"model give each micro-batch more compute per message"
+    )
 
 
 class LiveLoss:
@@ -164,10 +191,10 @@ class LiveLoss:
         done = [s for s, got in self.seen.items() if len(got) == self.ranks]
         if done:
             step = max(done)
-            pairs = [(l, n) for l, n in self.seen[step].values() if n > 0 and not math.isnan(l)]
+            pairs = [(v, n) for v, n in self.seen[step].values() if n > 0 and not math.isnan(v)]
             n = sum(n for _, n in pairs)
             if n:
-                self.latest = (step, sum(l * n for l, n in pairs) / n)
+                self.latest = (step, sum(v * n for v, n in pairs) / n)
             self.seen = {s: got for s, got in self.seen.items() if s > step}
         return self.latest
 
@@ -189,9 +216,10 @@ def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int])
             sizes = [base.stages]
         else:
             sizes = list(world_sizes)
-        configs += [(_reference(base) if name == "single" else base.replace(strategy=name,
-                                                                             world_size=w))
-                    for w in sizes]
+        configs += [
+            (_reference(base) if name == "single" else base.replace(strategy=name, world_size=w))
+            for w in sizes
+        ]
     if "single" in strategies and resolve_device(base.device, 1) == "cpu" and base.threads is None:
         whole = _threads_for(_reference(base), "cpu")
         shares = sorted({_threads_for(c, "cpu") for c in configs} - {whole})
@@ -203,20 +231,33 @@ def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int])
 def _reference(base: RunConfig) -> RunConfig:
     """Single-device training on ``base``'s model and batch: never slowed or balanced (those are
     ddp_naive's knobs), the reference the other runs are read against."""
-    return base.replace(strategy="single", world_size=1, slowdown=(), skew=0.0,
-                        rebalance="static")
+    return base.replace(strategy="single", world_size=1, slowdown=(), skew=0.0, rebalance="static")
 
 
-def compare(configs: Iterable[RunConfig], *, model_fn=None, data_fn=None, loss_fn=None,
-            optimizer_fn=None, on_progress: Callable[[RunConfig, int, dict], None] | None = None,
-            on_result: Callable[[RunResult], None] | None = None,
-            cancel: threading.Event | None = None) -> pd.DataFrame:
+def compare(
+    configs: Iterable[RunConfig],
+    *,
+    model_fn=None,
+    data_fn=None,
+    loss_fn=None,
+    optimizer_fn=None,
+    on_progress: Callable[[RunConfig, int, dict], None] | None = None,
+    on_result: Callable[[RunResult], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> pd.DataFrame:
     """Run each config in turn; return all records in one DataFrame (notes in ``.attrs``)."""
     results = []
     for cfg in configs:
         cb = None if on_progress is None else (lambda r, m, cfg=cfg: on_progress(cfg, r, m))
-        res = run(cfg, model_fn=model_fn, data_fn=data_fn, loss_fn=loss_fn,
-                  optimizer_fn=optimizer_fn, on_progress=cb, cancel=cancel)
+        res = run(
+            cfg,
+            model_fn=model_fn,
+            data_fn=data_fn,
+            loss_fn=loss_fn,
+            optimizer_fn=optimizer_fn,
+            on_progress=cb,
+            cancel=cancel,
+        )
         results.append(res)
         if on_result is not None:
             on_result(res)
@@ -259,14 +300,19 @@ def variant(cfg: RunConfig) -> str:
     """What tells two runs of one strategy and world size apart in a lab: the load-balancing
     policy and the injected heterogeneity; the sync/async lab's period H and staleness-aware lr;
     reduced precision and activation checkpointing; "" for a plain run."""
-    parts = ([f"H={cfg.period}"] if cfg.strategy in ("local_sgd", "diloco") else []) + \
-        (["staleness lr"] if cfg.strategy == "async_ps" and cfg.staleness_lr else [])
+    parts = ([f"H={cfg.period}"] if cfg.strategy in ("local_sgd", "diloco") else []) + (
+        ["staleness lr"] if cfg.strategy == "async_ps" and cfg.staleness_lr else []
+    )
     if cfg.balancing:
         from .balance import format_slowdown
+
         policy = [] if cfg.strategy in SYNC_ASYNC else [cfg.rebalance]  # a straggler, no policy
-        parts += (policy + ([f"slow {format_slowdown(cfg.slowdown)}"] if cfg.slowdown else [])
-                  + ([f"skew {cfg.skew:g}"] if cfg.skew else []))
-    parts += [cfg.precision] if cfg.precision != "fp32" else []     # labkit.memory
+        parts += (
+            policy
+            + ([f"slow {format_slowdown(cfg.slowdown)}"] if cfg.slowdown else [])
+            + ([f"skew {cfg.skew:g}"] if cfg.skew else [])
+        )
+    parts += [cfg.precision] if cfg.precision != "fp32" else []  # labkit.memory
     parts += ["checkpointed"] if cfg.checkpoint else []
     return ", ".join(parts)
 
@@ -274,8 +320,9 @@ def variant(cfg: RunConfig) -> str:
 def config_label(cfg: RunConfig) -> str:
     """``run_label`` of a config before it runs (threads resolved as ``run`` will)."""
     kind = resolve_device(cfg.device, cfg.ranks)
-    return run_label(cfg.strategy, cfg.world_size, cfg.threads or _threads_for(cfg, kind),
-                     variant(cfg))
+    return run_label(
+        cfg.strategy, cfg.world_size, cfg.threads or _threads_for(cfg, kind), variant(cfg)
+    )
 
 
 def _runs(records: pd.DataFrame):
@@ -287,8 +334,10 @@ def _runs(records: pd.DataFrame):
 
 def _labels(med: pd.DataFrame) -> list[str]:
     variants = med["variant"] if "variant" in med else [""] * len(med)
-    return [run_label(s, w, t, v) for s, w, t, v in
-            zip(med["strategy"], med["world_size"], med["threads"], variants)]
+    return [
+        run_label(s, w, t, v)
+        for s, w, t, v in zip(med["strategy"], med["world_size"], med["threads"], variants)
+    ]
 
 
 def median_steps(records: pd.DataFrame) -> pd.DataFrame:
@@ -324,21 +373,26 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     if "threads" not in records:
         records = records.assign(threads=1)
     med = median_steps(records)
-    table = pd.DataFrame({
-        "run": _labels(med),
-        "strategy": med["strategy"], "world_size": med["world_size"].astype(int),
-        "threads": med["threads"].astype(int),
-        "device": med["device"] if "device" in med else "cpu",
-        "step_ms": 1e3 * med["step_s"], "samples_per_s": med["global_batch"] / med["step_s"],
-        "comm_ms": 1e3 * med["comm_s"], "comm_share": med["comm_s"] / med["step_s"]})
-    if "comm_bytes" in med:                # gradient payload a rank all-reduces per sample it trains
+    table = pd.DataFrame(
+        {
+            "run": _labels(med),
+            "strategy": med["strategy"],
+            "world_size": med["world_size"].astype(int),
+            "threads": med["threads"].astype(int),
+            "device": med["device"] if "device" in med else "cpu",
+            "step_ms": 1e3 * med["step_s"],
+            "samples_per_s": med["global_batch"] / med["step_s"],
+            "comm_ms": 1e3 * med["comm_s"],
+            "comm_share": med["comm_s"] / med["step_s"],
+        }
+    )
+    if "comm_bytes" in med:  # gradient payload a rank all-reduces per sample it trains
         table["bytes_per_sample"] = (med["comm_bytes"] / med["samples"]).to_numpy()
-    if "comm_total_s" in med:              # all communication in flight, and the part not exposed
+    if "comm_total_s" in med:  # all communication in flight, and the part not exposed
         table["comm_total_ms"] = (1e3 * med["comm_total_s"]).to_numpy()
         table["hidden_ms"] = (table["comm_total_ms"] - table["comm_ms"]).clip(lower=0)
     runs = _runs(records)
-    table["loss"] = [float(g.loc[g["step"] == g["step"].max(), "loss"].iloc[0])
-                     for _, g in runs]
+    table["loss"] = [float(g.loc[g["step"] == g["step"].max(), "loss"].iloc[0]) for _, g in runs]
     table["peak_mem_mb"] = [g["peak_mem_bytes"].max() / 2**20 for _, g in runs]
     if "compute_cpu_share" in records:
         table["cpu_share"] = [cpu_share(g) for _, g in runs]
@@ -348,12 +402,14 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     table["speedup_all_cores"] = table["samples_per_s"] / all_cores
     table["speedup_same_cores"] = table["samples_per_s"] / table["threads"].map(single)
     table["efficiency"] = table["speedup_same_cores"] / table["world_size"]
-    if "bubble_fraction" in records:       # pipelines: the stages' mean idle share, median step
+    if "bubble_fraction" in records:  # pipelines: the stages' mean idle share, median step
         for col in ("bubble_fraction", "bubble_predicted", "bubble_theory"):
-            table[col] = [step_bubbles(g, column=col).median() if col in g else math.nan
-                          for _, g in runs]
-    if "share" in records:                 # load balancing: against what the ranks could do alone
+            table[col] = [
+                step_bubbles(g, column=col).median() if col in g else math.nan for _, g in runs
+            ]
+    if "share" in records:  # load balancing: against what the ranks could do alone
         from .balance import throughput
+
         lb = pd.DataFrame([throughput(g) if g["share"].notna().any() else {} for _, g in runs])
         for col in lb:
             table[col] = lb[col].to_numpy()
@@ -362,13 +418,15 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def step_bubbles(records: pd.DataFrame, min_cpu_share: float | None = None,
-                 column: str = "bubble_fraction") -> pd.Series:
+def step_bubbles(
+    records: pd.DataFrame, min_cpu_share: float | None = None, column: str = "bubble_fraction"
+) -> pd.Series:
     """Per step, the stages' mean idle share (measured, or ``column="bubble_predicted"``);
     with ``min_cpu_share``, only the steps in which every rank got at least that share of a
     core (the others measured the machine's load)."""
-    per_step = records.groupby("step").agg(bubble=(column, "mean"),
-                                           cpu=("compute_cpu_share", "min"))
+    per_step = records.groupby("step").agg(
+        bubble=(column, "mean"), cpu=("compute_cpu_share", "min")
+    )
     if min_cpu_share is not None:
         per_step = per_step[per_step["cpu"] >= min_cpu_share]
     return per_step["bubble"]
@@ -378,8 +436,9 @@ def bubble_error(records: pd.DataFrame, min_cpu_share: float | None = None) -> f
     """The median over steps of predicted minus measured bubble. Each step is predicted from
     its own measured costs, so the error is read step by step; medians of the two columns taken
     apart would pair one step's prediction with another step's measurement."""
-    diff = (step_bubbles(records, min_cpu_share, column="bubble_predicted")
-            - step_bubbles(records, min_cpu_share))
+    diff = step_bubbles(records, min_cpu_share, column="bubble_predicted") - step_bubbles(
+        records, min_cpu_share
+    )
     return float(diff.median()) if len(diff) else math.nan
 
 
@@ -393,16 +452,19 @@ def phase_breakdown(records: pd.DataFrame) -> pd.DataFrame:
 def check(base: RunConfig, strategies: Sequence[str], world_size: int = 2, **kwargs):
     """Same model as single-device training? See ``labkit.equivalence.check``."""
     from .equivalence import check as check_equivalence
+
     return check_equivalence(base, strategies, world_size, **kwargs)
 
 
 # ---- save / load -------------------------------------------------------------------------------
 
+
 def save_records(records: pd.DataFrame, path: str, **meta) -> None:
     """Write records as JSON: {"meta": {...}, "records": [ {...}, ... ]}."""
-    payload = {"meta": {**meta, "notes": records.attrs.get("notes", {}),
-                        "torch": torch.__version__},
-               "records": json.loads(records.to_json(orient="records"))}
+    payload = {
+        "meta": {**meta, "notes": records.attrs.get("notes", {}), "torch": torch.__version__},
+        "records": json.loads(records.to_json(orient="records")),
+    }
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
 

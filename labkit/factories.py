@@ -12,10 +12,11 @@ generator of its own) builds the same weights and data on every rank and in ever
 while dropout masks and augmentations differ from rank to rank, as they must: identical masks
 on every rank would repeat the same noise N times instead of drawing N independent samples.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -43,15 +44,17 @@ class Factories:
 
     def model(self, cfg: RunConfig) -> nn.Module:
         from .models import make_model
+
         torch.manual_seed(cfg.seed)
         model = self.model_fn(cfg) if self.model_fn is not None else make_model(cfg)
         if cfg.strategy in PIPELINE_STRATEGIES and isinstance(model, (list, tuple, nn.ModuleList)):
-            model = nn.Sequential(*model)           # a list of stage modules is a pipeline too
+            model = nn.Sequential(*model)  # a list of stage modules is a pipeline too
         return model
 
     def dataset(self, cfg: RunConfig) -> Dataset:
         from .data import make_dataset
-        torch.manual_seed(cfg.seed)                 # independent of how much model_fn drew
+
+        torch.manual_seed(cfg.seed)  # independent of how much model_fn drew
         return self.data_fn(cfg) if self.data_fn is not None else make_dataset(cfg)
 
     def loss(self, cfg: RunConfig) -> nn.Module:
@@ -62,8 +65,9 @@ class Factories:
 
     @property
     def custom(self) -> bool:
-        return any(f is not None for f in (self.model_fn, self.data_fn, self.loss_fn,
-                                           self.optimizer_fn))
+        return any(
+            f is not None for f in (self.model_fn, self.data_fn, self.loss_fn, self.optimizer_fn)
+        )
 
 
 def validate(cfg: RunConfig, fns: Factories) -> None:
@@ -74,50 +78,63 @@ def validate(cfg: RunConfig, fns: Factories) -> None:
     _callable("data_fn", fns.data_fn, (Dataset, DataLoader), "data_fn=lambda cfg: my_dataset")
     _callable("loss_fn", fns.loss_fn, nn.Module, "loss_fn=lambda cfg: nn.MSELoss()")
     if isinstance(fns.optimizer_fn, type) or isinstance(fns.optimizer_fn, torch.optim.Optimizer):
-        raise TypeError("optimizer_fn takes the config and the parameters and returns an "
-                        "optimizer: pass optimizer_fn=lambda cfg, params: "
-                        "torch.optim.Adam(params, lr=cfg.lr)")
+        raise TypeError(
+            "optimizer_fn takes the config and the parameters and returns an "
+            "optimizer: pass optimizer_fn=lambda cfg, params: "
+            "torch.optim.Adam(params, lr=cfg.lr)"
+        )
     _callable("optimizer_fn", fns.optimizer_fn, (), "")
     if not fns.custom:
-        return                                      # labkit's own pieces fit each other
+        return  # labkit's own pieces fit each other
     model = fns.model(cfg)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model_fn returned a {type(model).__name__}, not an nn.Module: return "
-                        f"the model itself, e.g. model_fn=lambda cfg: MyModel()")
+        raise TypeError(
+            f"model_fn returned a {type(model).__name__}, not an nn.Module: return "
+            f"the model itself, e.g. model_fn=lambda cfg: MyModel()"
+        )
     if cfg.strategy in PIPELINE_STRATEGIES:
         _check_cuttable(cfg, model)
-    if cfg.checkpoint:              # activation checkpointing cuts between blocks: say so here
+    if cfg.checkpoint:  # activation checkpointing cuts between blocks: say so here
         from .memory import checkpoint_blocks
+
         checkpoint_blocks(model)
     dataset = fns.dataset(cfg)
     _check_dataset(cfg, dataset)
     loss_fn = fns.loss(cfg)
     if getattr(loss_fn, "reduction", "mean") != "mean":
-        raise ValueError(f"the loss has reduction={loss_fn.reduction!r}; data parallelism averages "
-                         f"each rank's gradient, which equals the global batch's only for a mean: "
-                         f"use reduction='mean' (the default)")
+        raise ValueError(
+            f"the loss has reduction={loss_fn.reduction!r}; data parallelism averages "
+            f"each rank's gradient, which equals the global batch's only for a mean: "
+            f"use reduction='mean' (the default)"
+        )
     x, y = default_collate([dataset[i] for i in range(min(2, len(dataset)))])
     with torch.no_grad():
         try:
             out = model(x)
         except Exception as exc:
-            raise ValueError(f"the model cannot take a batch of this dataset's inputs (shape "
-                             f"{_shape(x)}): {type(exc).__name__}: {exc}. Make model_fn and "
-                             f"data_fn agree") from exc
+            raise ValueError(
+                f"the model cannot take a batch of this dataset's inputs (shape "
+                f"{_shape(x)}): {type(exc).__name__}: {exc}. Make model_fn and "
+                f"data_fn agree"
+            ) from exc
         _check_loss(loss_fn, out, y)
     opt = fns.optimizer(cfg, model.parameters())
     if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"optimizer_fn returned a {type(opt).__name__}, not a "
-                        f"torch.optim.Optimizer: e.g. lambda cfg, params: "
-                        f"torch.optim.SGD(params, lr=cfg.lr)")
+        raise TypeError(
+            f"optimizer_fn returned a {type(opt).__name__}, not a "
+            f"torch.optim.Optimizer: e.g. lambda cfg, params: "
+            f"torch.optim.SGD(params, lr=cfg.lr)"
+        )
 
 
 def _callable(name: str, fn, instance_of, example: str) -> None:
     if fn is None:
         return
     if instance_of and isinstance(fn, instance_of):
-        raise TypeError(f"{name} takes a factory, not a {type(fn).__name__}: every rank builds its "
-                        f"own copy by calling it with the config. Pass {example}")
+        raise TypeError(
+            f"{name} takes a factory, not a {type(fn).__name__}: every rank builds its "
+            f"own copy by calling it with the config. Pass {example}"
+        )
     if not callable(fn):
         raise TypeError(f"{name} must be a function of the config, got {type(fn).__name__}")
 
@@ -128,47 +145,68 @@ def _check_cuttable(cfg: RunConfig, model: nn.Module) -> None:
             f"{cfg.strategy} cuts the model into stages between consecutive blocks, so it needs "
             f"an nn.Sequential, got {type(model).__name__}. Either return "
             f"nn.Sequential(block1, block2, ...) from model_fn (each block a module whose output "
-            f"is the next one's only input), or return a list of stage modules")
+            f"is the next one's only input), or return a list of stage modules"
+        )
     if len(model) < cfg.stages:
-        raise ValueError(f"the model has {len(model)} blocks, too few for {cfg.stages} stages: "
-                         f"lower stages or split the model into more blocks")
+        raise ValueError(
+            f"the model has {len(model)} blocks, too few for {cfg.stages} stages: "
+            f"lower stages or split the model into more blocks"
+        )
 
 
 def _check_dataset(cfg: RunConfig, dataset) -> None:
     if isinstance(dataset, DataLoader):
-        raise TypeError("data_fn returned a DataLoader: return its Dataset instead (labkit builds "
-                        "each rank's loader with a DistributedSampler, so ranks get disjoint "
-                        "shards of every global batch)")
+        raise TypeError(
+            "data_fn returned a DataLoader: return its Dataset instead (labkit builds "
+            "each rank's loader with a DistributedSampler, so ranks get disjoint "
+            "shards of every global batch)"
+        )
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise TypeError(f"data_fn returned a {type(dataset).__name__}; labkit needs a map-style "
-                        f"Dataset (len() and dataset[i] -> (inputs, target)), e.g. "
-                        f"torch.utils.data.TensorDataset(x, y)")
+        raise TypeError(
+            f"data_fn returned a {type(dataset).__name__}; labkit needs a map-style "
+            f"Dataset (len() and dataset[i] -> (inputs, target)), e.g. "
+            f"torch.utils.data.TensorDataset(x, y)"
+        )
     if len(dataset) < cfg.global_batch:
-        raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one global batch "
-                         f"({cfg.global_batch}): lower global_batch or return more samples")
+        raise ValueError(
+            f"the dataset has {len(dataset)} samples, fewer than one global batch "
+            f"({cfg.global_batch}): lower global_batch or return more samples"
+        )
     item = dataset[0]
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
-        raise TypeError(f"dataset[0] is a {type(item).__name__}; labkit expects (inputs, target) "
-                        f"pairs, like TensorDataset(x, y)")
+        raise TypeError(
+            f"dataset[0] is a {type(item).__name__}; labkit expects (inputs, target) "
+            f"pairs, like TensorDataset(x, y)"
+        )
 
 
 def _check_loss(loss_fn, out, y) -> None:
-    if isinstance(loss_fn, nn.CrossEntropyLoss) and torch.is_tensor(out) and out.dim() >= 1 \
-            and out.shape[-1] == 1:
-        raise ValueError("the model outputs one value per sample, and cross-entropy over one "
-                         "class is always 0, so nothing would train. For regression pass "
-                         "loss_fn=lambda cfg: nn.MSELoss(); for classification give the model "
-                         "one output per class")
+    if (
+        isinstance(loss_fn, nn.CrossEntropyLoss)
+        and torch.is_tensor(out)
+        and out.dim() >= 1
+        and out.shape[-1] == 1
+    ):
+        raise ValueError(
+            "the model outputs one value per sample, and cross-entropy over one "
+            "class is always 0, so nothing would train. For regression pass "
+            "loss_fn=lambda cfg: nn.MSELoss(); for classification give the model "
+            "one output per class"
+        )
     try:
         loss = loss_fn(out, y)
     except Exception as exc:
-        raise ValueError(f"the loss cannot compare the model's output (shape {_shape(out)}) with "
-                         f"the dataset's targets (shape {_shape(y)}, {getattr(y, 'dtype', '?')}): "
-                         f"{type(exc).__name__}: {exc}. Pass a loss_fn that fits, e.g. "
-                         f"lambda cfg: nn.MSELoss() for float targets") from exc
+        raise ValueError(
+            f"the loss cannot compare the model's output (shape {_shape(out)}) with "
+            f"the dataset's targets (shape {_shape(y)}, {getattr(y, 'dtype', '?')}): "
+            f"{type(exc).__name__}: {exc}. Pass a loss_fn that fits, e.g. "
+            f"lambda cfg: nn.MSELoss() for float targets"
+        ) from exc
     if not (torch.is_tensor(loss) and loss.numel() == 1):
-        raise ValueError(f"the loss returned {_shape(loss)}, not one number: use a loss that "
-                         f"reduces over the batch (reduction='mean')")
+        raise ValueError(
+            f"the loss returned {_shape(loss)}, not one number: use a loss that "
+            f"reduces over the batch (reduction='mean')"
+        )
 
 
 def _shape(t) -> str:

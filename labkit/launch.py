@@ -20,6 +20,7 @@ and returns the return values in rank order. What it guarantees, and how:
   take ~15 ms that the caller need not wait for); and should the caller itself die, each rank
   watches a lifeline pipe and exits when it closes.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -31,8 +32,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 
@@ -52,9 +54,15 @@ class LaunchError(RuntimeError):
 class RankError(LaunchError):
     """A rank raised or died; ``rank`` names it and ``traceback`` carries its traceback text."""
 
-    def __init__(self, rank: int, world_size: int, traceback_text: str, exitcode: int | None = None):
+    def __init__(
+        self, rank: int, world_size: int, traceback_text: str, exitcode: int | None = None
+    ):
         self.rank, self.world_size, self.traceback, self.exitcode = (
-            rank, world_size, traceback_text, exitcode)
+            rank,
+            world_size,
+            traceback_text,
+            exitcode,
+        )
         super().__init__(f"rank {rank} of {world_size} failed:\n{traceback_text.rstrip()}")
 
 
@@ -64,24 +72,37 @@ class LaunchTimeout(LaunchError, TimeoutError):
     def __init__(self, timeout_s: float, stacks: dict[int, str]):
         self.timeout_s, self.stacks = timeout_s, stacks
         self.rank = min(stacks) if stacks else None
-        where = "\n".join(f"--- rank {r} was at:\n{s.rstrip() or '(no stack captured)'}"
-                          for r, s in sorted(stacks.items()))
+        where = "\n".join(
+            f"--- rank {r} was at:\n{s.rstrip() or '(no stack captured)'}"
+            for r, s in sorted(stacks.items())
+        )
         super().__init__(
             f"ranks {sorted(stacks)} still running after {timeout_s:g} s (timeout_s); "
             f"stopped them. A rank waiting in a collective that a peer never joins hangs until "
-            f"this timeout.\n{where}")
+            f"this timeout.\n{where}"
+        )
 
 
 class LaunchCancelled(LaunchError):
     """The caller's ``cancel`` event was set (a Stop button); every rank was stopped."""
 
 
-def launch(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
-           kwargs: dict | None = None, *, timeout_s: float | None = None, device: str = "auto",
-           backend: str | None = None, setup: bool = True, threads: int | None = None,
-           on_progress: Callable[[int, dict], None] | None = None,
-           cancel: threading.Event | None = None) -> list:
-    """Call ``fn(ctx, *args, **kwargs)`` on ``world_size`` rank processes; return results in rank order.
+def launch(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    timeout_s: float | None = None,
+    device: str = "auto",
+    backend: str | None = None,
+    setup: bool = True,
+    threads: int | None = None,
+    on_progress: Callable[[int, dict], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> list:
+    """Call ``fn(ctx, *args, **kwargs)`` on ``world_size`` rank processes; return results in rank
+    order.
 
     ``ctx`` is a ``labkit.dist.RankContext``. With ``setup=False`` no process group is created:
     the rank finds MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE in its environment and calls
@@ -101,39 +122,57 @@ def launch(fn: Callable[..., Any], world_size: int = 2, args: tuple = (),
     _prewarm.ensure_running(ctx)
 
     import torch.distributed as dist  # the parent holds the rendezvous store for this launch
+
     store = None
     env = dict(os.environ)
     env.setdefault("GLOO_SOCKET_IFNAME", "lo" if sys.platform.startswith("linux") else "lo0")
     if setup:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=_td(timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_td(timeout_s)
+        )
         spec_store = ("127.0.0.1", store.port)
     else:
         spec_store = None
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                   WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    spec = {"world_size": world_size, "device": kind, "backend": backend, "threads": threads,
-            "store": spec_store, "env": env, "timeout_s": timeout_s or 1800.0}
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+        )
+    spec = {
+        "world_size": world_size,
+        "device": kind,
+        "backend": backend,
+        "threads": threads,
+        "store": spec_store,
+        "env": env,
+        "timeout_s": timeout_s or 1800.0,
+    }
 
     life_r, life_w = ctx.Pipe(duplex=False)
     procs, conns, dumps, done = [], {}, {}, False
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            dumps[rank] = tempfile.NamedTemporaryFile("w+", prefix=f"labkit-rank{rank}-",
-                                                      suffix=".txt", delete=False).name
-            p = ctx.Process(target=_rank_main, name=f"labkit-rank{rank}", daemon=True,
-                            args=(payload, rank, spec, writer, life_r, dumps[rank]))
+            dumps[rank] = tempfile.NamedTemporaryFile(
+                "w+", prefix=f"labkit-rank{rank}-", suffix=".txt", delete=False
+            ).name
+            p = ctx.Process(
+                target=_rank_main,
+                name=f"labkit-rank{rank}",
+                daemon=True,
+                args=(payload, rank, spec, writer, life_r, dumps[rank]),
+            )
             p.start()
-            writer.close()                 # the parent keeps only the read end: EOF means gone
+            writer.close()  # the parent keeps only the read end: EOF means gone
             procs.append(p)
             conns[reader] = rank
         results = _collect(procs, conns, timeout_s, on_progress, cancel, dumps)
         done = True
         return results
     finally:
-        life_w.close()                      # every rank's lifeline reads EOF
-        if done:                           # every result is in: nothing left to lose
+        life_w.close()  # every rank's lifeline reads EOF
+        if done:  # every result is in: nothing left to lose
             _kill_and_reap(procs)
         else:
             _stop(procs)
@@ -177,7 +216,7 @@ def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
                 raise LaunchTimeout(timeout_s, _dump_stacks(procs, running, dumps))
             wait_s = min(wait_s, remaining)
         ready = wait(list(open_conns) + list(sentinels), timeout=wait_s)
-        for obj in ready:                  # messages first: a rank may write, then exit
+        for obj in ready:  # messages first: a rank may write, then exit
             if obj in open_conns:
                 handle(obj, open_conns[obj])
         for obj in ready:
@@ -185,15 +224,19 @@ def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
             if rank is None:
                 continue
             del sentinels[obj]
-            for conn, r in list(open_conns.items()):   # drain what it sent before dying
+            for conn, r in list(open_conns.items()):  # drain what it sent before dying
                 if r == rank:
                     while conn in open_conns and conn.poll():
                         handle(conn, rank)
             if rank not in results:
                 code = procs[rank].exitcode
-                raise RankError(rank, world_size,
-                                f"process exited with code {code} before returning a result "
-                                f"({_describe_exit(code)})", exitcode=code)
+                raise RankError(
+                    rank,
+                    world_size,
+                    f"process exited with code {code} before returning a result "
+                    f"({_describe_exit(code)})",
+                    exitcode=code,
+                )
     return [results[r] for r in range(world_size)]
 
 
@@ -205,15 +248,21 @@ def _root_cause(rank, text, procs, sentinels, results) -> RankError:
     world_size = len(procs)
     deadline = time.monotonic() + _ROOT_CAUSE_WAIT_S
     while time.monotonic() < deadline:
-        silent = [r for r in sentinels.values()
-                  if r != rank and r not in results and procs[r].exitcode not in (None, 0, 1)]
+        silent = [
+            r
+            for r in sentinels.values()
+            if r != rank and r not in results and procs[r].exitcode not in (None, 0, 1)
+        ]
         if silent:
             r = silent[0]
             code = procs[r].exitcode
-            return RankError(r, world_size,
-                             f"process exited with code {code} without reporting "
-                             f"({_describe_exit(code)}); then rank {rank} failed:\n{text}",
-                             exitcode=code)
+            return RankError(
+                r,
+                world_size,
+                f"process exited with code {code} without reporting "
+                f"({_describe_exit(code)}); then rank {rank} failed:\n{text}",
+                exitcode=code,
+            )
         alive = [s for s, r in sentinels.items() if r != rank and procs[r].exitcode is None]
         if not alive:
             break
@@ -227,13 +276,15 @@ def _rank_main(payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path:
     threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True).start()
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=open(dump_path, "w"), all_threads=False)
-    gc.enable()                            # on already, unless the server's preload broke off
-    os.environ.clear()                     # the forkserver's environment is from when it started
+    gc.enable()  # on already, unless the server's preload broke off
+    os.environ.clear()  # the forkserver's environment is from when it started
     os.environ.update(spec["env"])
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
 
     import torch
+
     from . import dist as ldist
+
     torch.set_num_threads(spec["threads"])
 
     def report(**metrics) -> None:
@@ -250,18 +301,26 @@ def _rank_main(payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path:
             try:
                 result = fn(ctx, *args, **kwargs)
             finally:
-                ldist.cleanup()            # in case the lesson forgot its own cleanup()
+                ldist.cleanup()  # in case the lesson forgot its own cleanup()
         else:
             import torch.distributed as dist
+
             host, port = spec["store"]
             store = dist.TCPStore(host, port, is_master=False, timeout=_td(spec["timeout_s"]))
             # No barrier after init and no teardown: once it has sent its result, a rank waits
             # to be stopped by the caller (which does so as soon as every rank's result is in),
             # so it can never destroy the group under a peer that is still connecting, and the
             # teardown (gc.collect + destroy, ~0.1 s) stays off the caller's critical path.
-            with ldist.session(rank, spec["world_size"], device=spec["device"],
-                               backend=spec["backend"], store=store, barrier=False,
-                               timeout_s=spec["timeout_s"], report=report) as ctx:
+            with ldist.session(
+                rank,
+                spec["world_size"],
+                device=spec["device"],
+                backend=spec["backend"],
+                store=store,
+                barrier=False,
+                timeout_s=spec["timeout_s"],
+                report=report,
+            ) as ctx:
                 try:
                     result = fn(ctx, *args, **kwargs)
                     _send_result(conn, rank, result)
@@ -271,7 +330,7 @@ def _rank_main(payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path:
                     conn.send(("error", traceback.format_exc()))
                     sent_error = True
                     raise
-                threading.Event().wait()   # until the caller stops us (or the lifeline ends)
+                threading.Event().wait()  # until the caller stops us (or the lifeline ends)
         _send_result(conn, rank, result)
     except BaseException:
         if not sent_error:
@@ -284,9 +343,11 @@ def _send_result(conn, rank: int, result) -> None:
     try:
         data = cloudpickle.dumps(result)
     except Exception as exc:
-        raise TypeError(f"rank {rank} returned a {type(result).__name__} that cannot be sent "
-                        f"back to the caller ({exc}); return plain data (numbers, dicts, "
-                        f"tensors, DataFrames)") from exc
+        raise TypeError(
+            f"rank {rank} returned a {type(result).__name__} that cannot be sent "
+            f"back to the caller ({exc}); return plain data (numbers, dicts, "
+            f"tensors, DataFrames)"
+        ) from exc
     conn.send(("result", data))
 
 
@@ -295,7 +356,7 @@ def _watch_lifeline(lifeline) -> None:
         lifeline.recv()
     except (EOFError, OSError):
         pass
-    os._exit(3)                            # the caller is gone or done: never linger
+    os._exit(3)  # the caller is gone or done: never linger
 
 
 def _pack(fn, args, kwargs) -> bytes:
@@ -305,9 +366,11 @@ def _pack(fn, args, kwargs) -> bytes:
         return cloudpickle.dumps((fn, args, kwargs))
     except Exception:
         pass
-    for what, obj in [(f"the function {getattr(fn, '__name__', fn)!r}", fn),
-                      *((f"argument {i}", a) for i, a in enumerate(args)),
-                      *((f"keyword argument {k!r}", v) for k, v in kwargs.items())]:
+    for what, obj in [
+        (f"the function {getattr(fn, '__name__', fn)!r}", fn),
+        *((f"argument {i}", a) for i, a in enumerate(args)),
+        *((f"keyword argument {k!r}", v) for k, v in kwargs.items()),
+    ]:
         try:
             cloudpickle.dumps(obj)
         except Exception as exc:
@@ -315,7 +378,8 @@ def _pack(fn, args, kwargs) -> bytes:
                 f"{what} cannot be sent to the rank processes ({type(exc).__name__}: {exc}). "
                 f"Ranks are separate processes: pass plain data (numbers, strings, tensors, a "
                 f"RunConfig) and build things like open files, locks, sockets or generators "
-                f"inside the function.") from exc
+                f"inside the function."
+            ) from exc
     raise TypeError("the function and its arguments cannot be sent to the rank processes")
 
 
@@ -344,8 +408,9 @@ def _kill_and_reap(procs) -> None:
     for p in procs:
         if p.exitcode is None:
             p.kill()
-    threading.Thread(target=lambda: [p.join() for p in procs], name="labkit-reaper",
-                     daemon=True).start()
+    threading.Thread(
+        target=lambda: [p.join() for p in procs], name="labkit-reaper", daemon=True
+    ).start()
 
 
 def _stop(procs) -> None:
@@ -367,14 +432,17 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     if code == 1:
-        return ("it failed before running your function; in a script, is the launch under "
-                "`if __name__ == '__main__':`? each rank re-imports the main module")
+        return (
+            "it failed before running your function; in a script, is the launch under "
+            "`if __name__ == '__main__':`? each rank re-imports the main module"
+        )
     return "it called os._exit or crashed outside Python" if code else "no result was sent"
 
 
 def free_port() -> int:
     """A loopback port nobody holds now (a fixed 29500 collides between notebooks)."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -382,6 +450,7 @@ def free_port() -> int:
 
 def _td(seconds: float | None):
     from datetime import timedelta
+
     return timedelta(seconds=seconds or 1800.0)
 
 

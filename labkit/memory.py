@@ -26,17 +26,22 @@ Activation checkpointing (``RunConfig.checkpoint``) lives here too: ``checkpoint
 each block of an ``nn.Sequential`` save only its input and recompute the rest during backward.
 The calculator that predicts these columns is ``labkit.predict.memory`` (re-exported below).
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from contextlib import contextmanager
-from typing import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .predict.memory import CATEGORIES        # the calculator's, so both name the same five
+if TYPE_CHECKING:
+    import pandas as pd
+
+from .predict.memory import CATEGORIES  # the calculator's, so both name the same five
 
 COLUMNS = tuple(f"mem_{c}_bytes" for c in CATEGORIES)
 
@@ -64,19 +69,22 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor in an optimizer's state (ZeroRedundancyOptimizer: this rank's partition)."""
-    inner = getattr(optimizer, "optim", optimizer)       # ZeRO wraps the real optimizer
+    inner = getattr(optimizer, "optim", optimizer)  # ZeRO wraps the real optimizer
     return [v for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
 
 
 def _is_param_copy(t: torch.Tensor) -> bool:
     """A leaf that trains (an FSDP-gathered parameter), or a cast of one (autocast's copy)."""
-    if t._base is not None:                  # addmm saves the weight copy transposed: a view
+    if t._base is not None:  # addmm saves the weight copy transposed: a view
         t = t._base
     if t.is_leaf:
         return t.requires_grad
     fn = t.grad_fn
-    return (fn is not None and type(fn).__name__ == "ToCopyBackward0"
-            and any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n))
+    return (
+        fn is not None
+        and type(fn).__name__ == "ToCopyBackward0"
+        and any(type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions if n)
+    )
 
 
 class MemoryMeter:
@@ -143,14 +151,17 @@ class MemoryMeter:
 
 # ---- activation checkpointing ------------------------------------------------------------------
 
+
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
     """Activation checkpointing per block: each child of an ``nn.Sequential`` keeps only its
     input for backward and recomputes its inside then (``torch.utils.checkpoint``, non-reentrant:
     the first block's input needs no gradient). Parameter names are unchanged."""
     if not isinstance(model, nn.Sequential):
-        raise ValueError(f"checkpoint=True checkpoints each block of an nn.Sequential; the model "
-                         f"is a {type(model).__name__}: return nn.Sequential(block1, block2, ...) "
-                         f"from model_fn, or set checkpoint=False")
+        raise ValueError(
+            f"checkpoint=True checkpoints each block of an nn.Sequential; the model "
+            f"is a {type(model).__name__}: return nn.Sequential(block1, block2, ...) "
+            f"from model_fn, or set checkpoint=False"
+        )
     for block in model:
         block.forward = _checkpointed(block.forward)
     return model
@@ -161,20 +172,23 @@ def _checkpointed(forward):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
     return run
 
 
 # ---- tables ------------------------------------------------------------------------------------
 
-def memory_table(records) -> "pd.DataFrame":
+
+def memory_table(records) -> pd.DataFrame:
     """Per run and rank: each category (MiB, the largest over measured steps), their sum, and
     the process high-water mark beside it (``peak_mem_bytes``: RSS on CPU, allocator on GPU)."""
     import pandas as pd
+
     from .experiment import _labels
+
     if "threads" not in records:
         records = records.assign(threads=1)
-    records = records.assign(variant=records["variant"].fillna("") if "variant" in records
-                             else "")
+    records = records.assign(variant=records["variant"].fillna("") if "variant" in records else "")
     keys = ["strategy", "world_size", "threads", "variant", "rank"]
     t = records.groupby(keys, sort=False)[list(COLUMNS) + ["peak_mem_bytes"]].max().reset_index()
     out = pd.DataFrame({"run": _labels(t), "rank": t["rank"].astype(int)})
@@ -185,51 +199,82 @@ def memory_table(records) -> "pd.DataFrame":
     return out
 
 
-def predict(cfg, optimizer: str = "sgd_momentum", model: nn.Module | None = None,
-            input_shape: tuple | None = None) -> "pd.DataFrame":
+def predict(
+    cfg,
+    optimizer: str = "sgd_momentum",
+    model: nn.Module | None = None,
+    input_shape: tuple | None = None,
+) -> pd.DataFrame:
     """The calculator's bytes per rank for a run of ``cfg`` (labkit's toy model, or yours with
     its one-sample ``input_shape``)."""
     from .models import make_model
     from .predict.memory import calculate
+
     if model is None:
         model = make_model(cfg)
         input_shape = (3, 16, 16) if cfg.model == "cnn" else (cfg.in_features,)
     strategy = "ddp" if cfg.strategy in ("ddp_naive", "dp") else cfg.strategy
-    return calculate(model, input_shape=input_shape, classes=cfg.classes,
-                     global_batch=cfg.global_batch, strategy=strategy, world_size=cfg.ranks,
-                     precision=cfg.precision, optimizer=optimizer, checkpoint=cfg.checkpoint,
-                     accumulate=cfg.accumulate)
+    return calculate(
+        model,
+        input_shape=input_shape,
+        classes=cfg.classes,
+        global_batch=cfg.global_batch,
+        strategy=strategy,
+        world_size=cfg.ranks,
+        precision=cfg.precision,
+        optimizer=optimizer,
+        checkpoint=cfg.checkpoint,
+        accumulate=cfg.accumulate,
+    )
 
 
-def calculator_error(records, cfg, optimizer: str = "sgd_momentum", **model) -> "pd.DataFrame":
+def calculator_error(records, cfg, optimizer: str = "sgd_momentum", **model) -> pd.DataFrame:
     """Counted against calculated, per rank and category: bytes and the relative error."""
     import pandas as pd
+
     pred = predict(cfg, optimizer, **model).set_index("rank")
     got = records.groupby("rank")[list(COLUMNS)].max()
     rows = []
     for rank in got.index:
         for c, col in zip(CATEGORIES, COLUMNS):
             m, p = int(got.at[rank, col]), int(pred.at[rank, c])
-            rows.append({"rank": int(rank), "category": c, "counted": m, "calculated": p,
-                         "error": (p - m) / m if m else (0.0 if p == 0 else math.inf)})
+            rows.append(
+                {
+                    "rank": int(rank),
+                    "category": c,
+                    "counted": m,
+                    "calculated": p,
+                    "error": (p - m) / m if m else (0.0 if p == 0 else math.inf),
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def adam(cfg, params) -> torch.optim.Adam:
     """The optimizer_fn for Adam runs (importable, so rank processes can load it)."""
-    return torch.optim.Adam(params, lr=cfg.lr * 0.02)       # SGD's lr is too large for Adam
+    return torch.optim.Adam(params, lr=cfg.lr * 0.02)  # SGD's lr is too large for Adam
 
 
-def measure(base, strategies=("ddp", "zero1", "fsdp"), world_sizes=(2,),
-            optimizer: str = "sgd_momentum", on_result=None):
+def measure(
+    base,
+    strategies=("ddp", "zero1", "fsdp"),
+    world_sizes=(2,),
+    optimizer: str = "sgd_momentum",
+    on_result=None,
+):
     """Run each strategy at each world size; return (records, calculator errors per run,
     rank and category). ``optimizer``: "sgd_momentum" (labkit's) or "adam"."""
     import pandas as pd
+
     from . import experiment
+
     if optimizer not in ("sgd_momentum", "adam"):
         raise ValueError(f"optimizer must be sgd_momentum or adam, got {optimizer!r}")
-    cfgs = [base.replace(strategy=s, world_size=1 if s == "single" else w)
-            for s in strategies for w in ((1,) if s == "single" else world_sizes)]
+    cfgs = [
+        base.replace(strategy=s, world_size=1 if s == "single" else w)
+        for s in strategies
+        for w in ((1,) if s == "single" else world_sizes)
+    ]
     results, errors = [], []
     for cfg in cfgs:
         res = experiment.run(cfg, optimizer_fn=adam if optimizer == "adam" else None)
@@ -241,9 +286,10 @@ def measure(base, strategies=("ddp", "zero1", "fsdp"), world_sizes=(2,),
     return experiment.combine(results), pd.concat(errors, ignore_index=True)
 
 
-def __getattr__(name):          # the calculator lives with the other predictions
+def __getattr__(name):  # the calculator lives with the other predictions
     if not name.startswith("__"):
         from .predict import memory as calc
+
         if hasattr(calc, name):
             return getattr(calc, name)
     raise AttributeError(f"module 'labkit.memory' has no attribute {name!r}")

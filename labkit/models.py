@@ -1,7 +1,8 @@
 """Toy models built as ``nn.Sequential`` of blocks, so that any prefix/suffix is a stage."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -9,19 +10,22 @@ from torch import nn
 from .config import RunConfig
 
 
-def mlp(in_features: int = 32, width: int = 256, depth: int = 4, classes: int = 10) -> nn.Sequential:
+def mlp(
+    in_features: int = 32, width: int = 256, depth: int = 4, classes: int = 10
+) -> nn.Sequential:
     """``depth`` hidden Linear+ReLU blocks and a Linear head: ``depth + 1`` splittable blocks."""
     widths = [in_features] + [width] * depth
     return _mlp_blocks(widths, classes)
 
 
-def unbalanced_mlp(in_features: int = 32, width: int = 256, depth: int = 4,
-                   classes: int = 10) -> nn.Sequential:
+def unbalanced_mlp(
+    in_features: int = 32, width: int = 256, depth: int = 4, classes: int = 10
+) -> nn.Sequential:
     """An MLP whose blocks grow 4x in width from first to last: splitting it by layer count puts
     most of the work in the last stage (the stage-balancing lesson)."""
     if depth == 1:
         return mlp(in_features, width, depth, classes)
-    scale = [0.25 + 1.75 * i / (depth - 1) for i in range(depth)]      # 0.25w .. 2w
+    scale = [0.25 + 1.75 * i / (depth - 1) for i in range(depth)]  # 0.25w .. 2w
     widths = [in_features] + [max(8, int(width * s)) for s in scale]
     return _mlp_blocks(widths, classes)
 
@@ -31,8 +35,9 @@ def _mlp_blocks(widths: Sequence[int], classes: int) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(widths[-1], classes))
 
 
-def cnn(channels: int = 3, width: int = 32, depth: int = 3, classes: int = 10,
-        image_size: int = 16) -> nn.Sequential:
+def cnn(
+    channels: int = 3, width: int = 32, depth: int = 3, classes: int = 10, image_size: int = 16
+) -> nn.Sequential:
     """``depth`` conv blocks (3x3 conv, ReLU; a 2x2 pool on the first two) and a linear head."""
     blocks, c, size = [], channels, image_size
     for i in range(depth):
@@ -57,8 +62,10 @@ def make_model(cfg: RunConfig) -> nn.Sequential:
 def even_bounds(n_layers: int, stages: int) -> list[int]:
     """Block indices where each stage starts, giving stages equal layer counts (±1)."""
     if not 1 <= stages <= n_layers:
-        raise ValueError(f"cannot split {n_layers} blocks into {stages} stages: "
-                         f"use between 1 and {n_layers} stages")
+        raise ValueError(
+            f"cannot split {n_layers} blocks into {stages} stages: "
+            f"use between 1 and {n_layers} stages"
+        )
     return [round(i * n_layers / stages) for i in range(stages)]
 
 
@@ -67,8 +74,9 @@ def split(model: nn.Sequential, bounds: Sequence[int]) -> list[nn.Sequential]:
     relative to ``model`` via ``stage_param_names`` so stages can be compared with the whole."""
     ends = list(bounds[1:]) + [len(model)]
     if list(bounds) != sorted(set(bounds)) or bounds[0] != 0 or ends[-1] <= bounds[-1]:
-        raise ValueError(f"bounds {list(bounds)} must start at 0 and strictly increase below "
-                         f"{len(model)}")
+        raise ValueError(
+            f"bounds {list(bounds)} must start at 0 and strictly increase below {len(model)}"
+        )
     # Renumber from 0: slicing a Sequential keeps the whole model's indices as names.
     return [nn.Sequential(*list(model)[a:b]) for a, b in zip(bounds, ends)]
 

@@ -7,10 +7,11 @@ they save are 16-bit. bf16 keeps fp32's 8 exponent bits (same range, 8 bits of m
 underflow to 0 unless the loss is scaled up before backward and the gradients scaled down
 before the step; a step whose gradients overflowed (inf/nan) is skipped and the scale halved.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -18,7 +19,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@lru_cache(maxsize=None)
+@cache
 def fp16_supported(device_type: str) -> bool:
     """Does this torch run fp16 autocast and a GradScaler on ``device_type``? (Tried, not
     assumed: torch 2.14.1 does on CPU; older releases raised.)"""
@@ -59,7 +60,7 @@ class Amp:
             optimizer.step()
             return {}
         before = self.scaler.get_scale()
-        self.scaler.step(optimizer)          # unscales, skips the step if any gradient is inf/nan
-        self.scaler.update()                 # halves the scale after a skip, grows it slowly
+        self.scaler.step(optimizer)  # unscales, skips the step if any gradient is inf/nan
+        self.scaler.update()  # halves the scale after a skip, grows it slowly
         after = self.scaler.get_scale()
         return {"amp_scale": before, "amp_skipped": int(after < before)}

@@ -14,10 +14,12 @@ threads and would read as "busy" on an idle machine), the share they actually ra
 schedstat: time on a CPU against time waiting in the run queue; waiting for a peer in a
 collective is sleeping, not waiting for a CPU, so it does not count). Below ~0.8 something
 else had the rank's core, and its timings are not comparable. Where schedstat is missing
-(macOS), the thread's CPU time over the wall time of forward + backward stands in. On CPU each boundary is a ``perf_counter`` read (~55 ns). On a GPU kernels run
+(macOS), the thread's CPU time over the wall time of forward + backward stands in. On CPU each
+boundary is a ``perf_counter`` read (~55 ns). On a GPU kernels run
 asynchronously, so a CPU clock would time the launch, not the work: each boundary records a
 CUDA event instead, and the step ends with one synchronisation that resolves them all.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,7 +46,7 @@ class StepProbe:
         self._cpu: dict[str, float] = {}
         self._t0 = 0.0
         self.sched = RunQueueClock(all_threads=self.threads > 1)
-        self._sched0: tuple[float, float] | None = None     # at the start of a compute window
+        self._sched0: tuple[float, float] | None = None  # at the start of a compute window
         self._ran = self._waited = 0.0
 
     def _now(self):
@@ -55,25 +57,33 @@ class StepProbe:
         return time.perf_counter()
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()     # the shared clock: one CLOCK_MONOTONIC per machine
+        self._t0 = time.perf_counter()  # the shared clock: one CLOCK_MONOTONIC per machine
         self._ran = self._waited = 0.0
         self._marks = [("start", self._now())]
 
     def mark(self, phase: str) -> None:
         self._marks.append((phase, self._now()))
         if phase in ("data", "backward"):  # forward + backward: the compute a rank owns
-            if not self.sched.available:   # the fallback's clock (a syscall, ~30 us in a VM)
+            if not self.sched.available:  # the fallback's clock (a syscall, ~30 us in a VM)
                 self._cpu[phase] = cpu_seconds(self.threads)
             now = self.sched.read()
             if phase == "data":
                 self._sched0 = now
-            elif self._sched0 is not None and now is not None:    # close the compute window
+            elif self._sched0 is not None and now is not None:  # close the compute window
                 self._ran += now[0] - self._sched0[0]
                 self._waited += now[1] - self._sched0[1]
                 self._sched0 = None
 
-    def finish(self, step: int, loss: float, samples: int, *, comm_baseline_s: float | None = None,
-               comm_bytes: int = 0, **extra) -> dict:
+    def finish(
+        self,
+        step: int,
+        loss: float,
+        samples: int,
+        *,
+        comm_baseline_s: float | None = None,
+        comm_bytes: int = 0,
+        **extra,
+    ) -> dict:
         """Close the step and return its record. ``loss`` is this rank's loss on its own samples
         (``shard_loss``); ``experiment.finalize`` combines ranks into the global-batch ``loss``.
 
@@ -82,9 +92,9 @@ class StepProbe:
         """
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            elapsed = lambda a, b: a.elapsed_time(b) / 1e3       # noqa: E731  ms -> s
+            elapsed = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731  ms -> s
         else:
-            elapsed = lambda a, b: b - a                          # noqa: E731
+            elapsed = lambda a, b: b - a  # noqa: E731
         times = dict.fromkeys(TIME_COLUMNS, 0.0)
         for (_, t0), (phase, t1) in zip(self._marks, self._marks[1:]):
             times[f"{phase}_s"] += elapsed(t0, t1)
@@ -93,15 +103,32 @@ class StepProbe:
             exposed = max(0.0, times["backward_s"] - comm_baseline_s)
             times["comm_s"] += exposed
             times["backward_s"] -= exposed
-        share = (self._ran / (self._ran + self._waited) if self._ran + self._waited > 0 else
-                 1.0) if self.sched.available else None
+        share = (
+            (self._ran / (self._ran + self._waited) if self._ran + self._waited > 0 else 1.0)
+            if self.sched.available
+            else None
+        )
         compute = times["forward_s"] + times["backward_s"]
-        if share is None and not self.cuda and compute > 0 and {"data", "backward"} <= set(self._cpu):
+        if (
+            share is None
+            and not self.cuda
+            and compute > 0
+            and {"data", "backward"} <= set(self._cpu)
+        ):
             share = (self._cpu["backward"] - self._cpu["data"]) / compute
         share = float("nan") if share is None else share
-        return {**self.base, "step": step, "shard_loss": float(loss), "samples": samples, **times,
-                "start_s": self._t0, "compute_cpu_share": share,
-                "peak_mem_bytes": peak_memory(self.device), "comm_bytes": int(comm_bytes), **extra}
+        return {
+            **self.base,
+            "step": step,
+            "shard_loss": float(loss),
+            "samples": samples,
+            **times,
+            "start_s": self._t0,
+            "compute_cpu_share": share,
+            "peak_mem_bytes": peak_memory(self.device),
+            "comm_bytes": int(comm_bytes),
+            **extra,
+        }
 
 
 class RunQueueClock:
@@ -116,8 +143,11 @@ class RunQueueClock:
     def read(self) -> tuple[float, float] | None:
         if not self.available:
             return None
-        names = (["thread-self"] if not self.all_threads
-                 else [f"self/task/{t}" for t in os.listdir("/proc/self/task")])
+        names = (
+            ["thread-self"]
+            if not self.all_threads
+            else [f"self/task/{t}" for t in os.listdir("/proc/self/task")]
+        )
         ran = waited = 0
         for name in names:
             try:
@@ -125,14 +155,16 @@ class RunQueueClock:
                 if fd is None:
                     fd = self._fds[name] = os.open(f"/proc/{name}/schedstat", os.O_RDONLY)
                 on_cpu, run_delay, _ = os.pread(fd, 128, 0).split()
-            except (OSError, ValueError):           # a thread that exited meanwhile
+            except (OSError, ValueError):  # a thread that exited meanwhile
                 self._fds.pop(name, None)
                 continue
             ran, waited = ran + int(on_cpu), waited + int(run_delay)
         return ran / 1e9, waited / 1e9
 
     @staticmethod
-    def share(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    def share(
+        before: tuple[float, float] | None, after: tuple[float, float] | None
+    ) -> float | None:
         """Of the time spent ready to run between two reads, the share spent running."""
         if before is None or after is None:
             return None
@@ -158,7 +190,7 @@ def peak_memory(device: torch.device) -> int:
     # a rank whose gloo threads were running on the other core
     who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
     rss = resource.getrusage(who).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)   # macOS bytes, Linux KiB
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS bytes, Linux KiB
 
 
 def sync(device: torch.device) -> None:
@@ -170,7 +202,7 @@ def sync(device: torch.device) -> None:
 def probe_overhead_s(device: torch.device | str = "cpu", steps: int = 2000) -> float:
     """Seconds a StepProbe adds to one step (start, 5 marks, finish) with no work in between."""
     probe = StepProbe(torch.device(device), strategy="overhead")
-    for _ in range(50):                    # warm up
+    for _ in range(50):  # warm up
         _one_empty_step(probe)
     t0 = time.perf_counter()
     for _ in range(steps):

@@ -1,4 +1,5 @@
-"""Measure a model's compute profile, the input of the step-time predictor (``labkit.predict.step``).
+"""Measure a model's compute profile, the input of the step-time predictor
+(``labkit.predict.step``).
 
 Per block (each child of an ``nn.Sequential``; a model of another shape is one block): forward
 and backward seconds at the per-rank batch and at half of it (a line through both is how the
@@ -17,6 +18,7 @@ tested on, a step of the default MLP took 2x as long after a 2 ms wait as back t
 profile also times whole steps after sleeping ``AFTER_WAIT_GAPS`` seconds (``after_wait_s``),
 and the predictor adds the extra for the wait it predicts.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -32,11 +34,20 @@ from .factories import Factories, validate
 from .predict.step import Layer, Profile
 from .probes import sync
 
-AFTER_WAIT_GAPS = (0.0005, 0.002, 0.008, 0.032)    # seconds idle before a step
+AFTER_WAIT_GAPS = (0.0005, 0.002, 0.008, 0.032)  # seconds idle before a step
 
 
-def measure(cfg: RunConfig, *, world_size: int | None = None, model_fn=None, data_fn=None,
-            loss_fn=None, optimizer_fn=None, repeats: int = 7, cancel=None) -> Profile:
+def measure(
+    cfg: RunConfig,
+    *,
+    world_size: int | None = None,
+    model_fn=None,
+    data_fn=None,
+    loss_fn=None,
+    optimizer_fn=None,
+    repeats: int = 7,
+    cancel=None,
+) -> Profile:
     """The profile of ``cfg``'s model at ``cfg.global_batch / (world_size * cfg.accumulate)``
     samples per rank, on ``world_size`` (default ``cfg.world_size``) concurrent ranks."""
     from .env import cpu_cores, resolve_device
@@ -48,20 +59,31 @@ def measure(cfg: RunConfig, *, world_size: int | None = None, model_fn=None, dat
     kind = resolve_device(cfg.device, n)
     threads = cfg.threads or (max(1, cpu_cores() // n) if kind == "cpu" else 1)
     batch = max(1, cfg.global_batch // (n * cfg.accumulate))
-    results = launch(profile_rank, n, args=(cfg, fns, batch, repeats), device=kind,
-                     threads=threads, timeout_s=cfg.timeout_s, cancel=cancel)
+    results = launch(
+        profile_rank,
+        n,
+        args=(cfg, fns, batch, repeats),
+        device=kind,
+        threads=threads,
+        timeout_s=cfg.timeout_s,
+        cancel=cancel,
+    )
     return average(results)
 
 
-def profile_rank(ctx: RankContext, cfg: RunConfig, fns: Factories, batch: int,
-                 repeats: int = 7) -> Profile:
+def profile_rank(
+    ctx: RankContext, cfg: RunConfig, fns: Factories, batch: int, repeats: int = 7
+) -> Profile:
     torch.manual_seed(cfg.seed)
     model = fns.model(cfg).to(ctx.device)
     dataset = fns.dataset(cfg)
     loss_fn, optimizer = fns.loss(cfg), fns.optimizer(cfg, model.parameters())
     blocks = list(model) if isinstance(model, nn.Sequential) else [model]
-    names = ([f"{i}: {type(b).__name__}" for i, b in enumerate(blocks)]
-             if isinstance(model, nn.Sequential) else [type(model).__name__])
+    names = (
+        [f"{i}: {type(b).__name__}" for i, b in enumerate(blocks)]
+        if isinstance(model, nn.Sequential)
+        else [type(model).__name__]
+    )
     data = batches(shard_loader(dataset, batch, ctx.rank, ctx.world_size, seed=cfg.seed))
 
     def next_batch():
@@ -71,9 +93,26 @@ def profile_rank(ctx: RankContext, cfg: RunConfig, fns: Factories, batch: int,
     phases = step_phases(model, loss_fn, optimizer, next_batch, ctx.device, repeats)
     warm = sum(phases.values())
     after_wait = tuple(
-        (gap, max(0.0, sum(step_phases(model, loss_fn, optimizer, next_batch, ctx.device,
-                                       max(3, repeats - 2), gap_s=gap).values()) - warm))
-        for gap in AFTER_WAIT_GAPS)
+        (
+            gap,
+            max(
+                0.0,
+                sum(
+                    step_phases(
+                        model,
+                        loss_fn,
+                        optimizer,
+                        next_batch,
+                        ctx.device,
+                        max(3, repeats - 2),
+                        gap_s=gap,
+                    ).values()
+                )
+                - warm,
+            ),
+        )
+        for gap in AFTER_WAIT_GAPS
+    )
     full = block_times(blocks, loss_fn, x, y, ctx.device, repeats)
     hb = max(1, batch // 2)
     half = block_times(blocks, loss_fn, x[:hb], y[:hb], ctx.device, repeats) if batch >= 2 else full
@@ -85,19 +124,34 @@ def profile_rank(ctx: RankContext, cfg: RunConfig, fns: Factories, batch: int,
     layers = []
     for i, block in enumerate(blocks):
         (f, b, out_bytes), (fh, bh, _) = full[i], half[i]
-        layers.append(Layer(
-            names[i], f * fscale, b * bscale,
-            tuple(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad),
-            activation_bytes=out_bytes / batch, flops=flops[i],
-            forward_fixed_s=_intercept(f, fh, batch, hb) * fscale,
-            backward_fixed_s=_intercept(b, bh, batch, hb) * bscale))
-    ddp_overhead = ddp_overhead_s(model, loss_fn, x, y, ctx, phases, repeats) if ctx.distributed else 0.0
-    return Profile(batch, tuple(layers), optimizer_s=phases["optimizer"], data_s=phases["data"],
-                   ddp_overhead_s=ddp_overhead, threads=torch.get_num_threads(),
-                   device=str(ctx.device), comm_shares_core=shares_core(ctx),
-                   after_wait_s=after_wait,
-                   source=f"measured on {ctx.world_size} concurrent rank(s), "
-                          f"{torch.get_num_threads()} thread(s) each")
+        layers.append(
+            Layer(
+                names[i],
+                f * fscale,
+                b * bscale,
+                tuple(p.numel() * p.element_size() for p in block.parameters() if p.requires_grad),
+                activation_bytes=out_bytes / batch,
+                flops=flops[i],
+                forward_fixed_s=_intercept(f, fh, batch, hb) * fscale,
+                backward_fixed_s=_intercept(b, bh, batch, hb) * bscale,
+            )
+        )
+    ddp_overhead = (
+        ddp_overhead_s(model, loss_fn, x, y, ctx, phases, repeats) if ctx.distributed else 0.0
+    )
+    return Profile(
+        batch,
+        tuple(layers),
+        optimizer_s=phases["optimizer"],
+        data_s=phases["data"],
+        ddp_overhead_s=ddp_overhead,
+        threads=torch.get_num_threads(),
+        device=str(ctx.device),
+        comm_shares_core=shares_core(ctx),
+        after_wait_s=after_wait,
+        source=f"measured on {ctx.world_size} concurrent rank(s), "
+        f"{torch.get_num_threads()} thread(s) each",
+    )
 
 
 def shares_core(ctx: RankContext) -> bool:
@@ -105,11 +159,13 @@ def shares_core(ctx: RankContext) -> bool:
     when the ranks' compute threads already fill every core (gloo's threads then run on a core
     some rank is computing on)."""
     from .env import cpu_cores
+
     return ctx.device.type == "cpu" and ctx.world_size * torch.get_num_threads() >= cpu_cores()
 
 
-def step_phases(model, loss_fn, optimizer, next_batch, device, repeats: int,
-                gap_s: float = 0.0) -> dict:
+def step_phases(
+    model, loss_fn, optimizer, next_batch, device, repeats: int, gap_s: float = 0.0
+) -> dict:
     """Median seconds of each phase of a plain training step, timed as the training loop does;
     with ``gap_s``, each step after sleeping that long (as after waiting for a peer)."""
     names = ("data", "forward", "backward", "optimizer")
@@ -148,14 +204,16 @@ def ddp_overhead_s(model, loss_fn, x, y, ctx: RankContext, phases: dict, repeats
 
     wrapped = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
 
-    def no_comm(state, bucket):             # labkit's timed all-reduce minus the all-reduce
-        fut = torch.futures.Future()         # (which also takes the mean: ReduceOp.AVG)
+    def no_comm(state, bucket):  # labkit's timed all-reduce minus the all-reduce
+        fut = torch.futures.Future()  # (which also takes the mean: ReduceOp.AVG)
         fut.set_result(bucket.buffer())
         return fut
+
     wrapped.register_comm_hook(None, no_comm)
 
     def fb():
         loss_fn(wrapped(x), y).backward()
+
     t = _median(fb, ctx.device, repeats)
     wrapped.zero_grad(set_to_none=True)
     return max(0.0, t - phases["forward"] - phases["backward"])
@@ -164,7 +222,7 @@ def ddp_overhead_s(model, loss_fn, x, y, ctx: RankContext, phases: dict, repeats
 def block_times(blocks, loss_fn, x, y, device, repeats: int) -> list[tuple[float, float, int]]:
     """Median (forward s, backward s, output bytes) per block; the loss counts to the last."""
     samples = [[] for _ in blocks]
-    for r in range(repeats + 2):                       # two warm-up rounds
+    for r in range(repeats + 2):  # two warm-up rounds
         inputs, outputs, h = [], [], x
         for i, block in enumerate(blocks):
             inp = h.detach().requires_grad_(i > 0 and h.is_floating_point())
@@ -192,8 +250,10 @@ def block_times(blocks, loss_fn, x, y, device, repeats: int) -> list[tuple[float
         for block in blocks:
             block.zero_grad(set_to_none=True)
     # the last block's output bytes: its logits, not the scalar loss
-    return [(statistics.median(s[0] for s in rows), statistics.median(s[1] for s in rows),
-             rows[0][2]) for rows in samples]
+    return [
+        (statistics.median(s[0] for s in rows), statistics.median(s[1] for s in rows), rows[0][2])
+        for rows in samples
+    ]
 
 
 def block_flops(blocks, x1: torch.Tensor) -> list[float]:
@@ -203,12 +263,19 @@ def block_flops(blocks, x1: torch.Tensor) -> list[float]:
 
     def hook(mod, inputs, out):
         if isinstance(mod, nn.Linear):
-            counts[current[0]] += 2.0 * mod.in_features * mod.out_features * out.numel() / out.shape[-1]
+            counts[current[0]] += (
+                2.0 * mod.in_features * mod.out_features * out.numel() / out.shape[-1]
+            )
         elif isinstance(mod, nn.modules.conv._ConvNd):
-            k = mod.weight[0].numel()                  # in_channels/groups * kernel elements
+            k = mod.weight[0].numel()  # in_channels/groups * kernel elements
             counts[current[0]] += 2.0 * k * out.numel()
-    handles = [m.register_forward_hook(hook) for b in blocks for m in b.modules()
-               if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
+
+    handles = [
+        m.register_forward_hook(hook)
+        for b in blocks
+        for m in b.modules()
+        if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))
+    ]
     try:
         with torch.no_grad():
             h = x1
@@ -227,20 +294,43 @@ def average(profiles: list[Profile]) -> Profile:
 
     def mean(get) -> float:
         return statistics.fmean(get(p) for p in profiles)
+
+    def layer_mean(i: int, attr: str) -> float:
+        return mean(lambda p: getattr(p.layers[i], attr))
+
     layers = tuple(
-        Layer(layer.name, mean(lambda p: p.layers[i].forward_s), mean(lambda p: p.layers[i].backward_s),
-              layer.grad_bytes, layer.activation_bytes, layer.flops,
-              mean(lambda p: p.layers[i].forward_fixed_s), mean(lambda p: p.layers[i].backward_fixed_s))
-        for i, layer in enumerate(first.layers))
-    return Profile(first.batch, layers, mean(lambda p: p.optimizer_s), mean(lambda p: p.data_s),
-                   mean(lambda p: p.ddp_overhead_s), first.threads, first.device, first.source,
-                   first.comm_shares_core,
-                   tuple((gap, mean(lambda p: p.after_wait_s[i][1]))
-                         for i, (gap, _) in enumerate(first.after_wait_s)))
+        Layer(
+            layer.name,
+            layer_mean(i, "forward_s"),
+            layer_mean(i, "backward_s"),
+            layer.grad_bytes,
+            layer.activation_bytes,
+            layer.flops,
+            layer_mean(i, "forward_fixed_s"),
+            layer_mean(i, "backward_fixed_s"),
+        )
+        for i, layer in enumerate(first.layers)
+    )
+    return Profile(
+        first.batch,
+        layers,
+        mean(lambda p: p.optimizer_s),
+        mean(lambda p: p.data_s),
+        mean(lambda p: p.ddp_overhead_s),
+        first.threads,
+        first.device,
+        first.source,
+        first.comm_shares_core,
+        tuple(
+            (gap, statistics.fmean(p.after_wait_s[i][1] for p in profiles))
+            for i, (gap, _) in enumerate(first.after_wait_s)
+        ),
+    )
 
 
 def _intercept(t_full: float, t_half: float, b_full: int, b_half: int) -> float:
-    """Where the line through (b_half, t_half), (b_full, t_full) meets batch 0, kept in [0, t_full]."""
+    """Where the line through (b_half, t_half), (b_full, t_full) meets batch 0, kept in
+    [0, t_full]."""
     if b_full == b_half:
         return 0.0
     slope = (t_full - t_half) / (b_full - b_half)

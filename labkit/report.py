@@ -3,6 +3,7 @@
 The CLI, the demo, the notebooks and the panels all print through here, so a number means the
 same thing, with the same name, everywhere.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,24 +33,37 @@ def people_table(table: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame({"run": table["run"]})
     out["samples/s"] = [_num(v, ",.0f") for v in table["samples_per_s"]]
     out["step ms (median, slowest rank)"] = [_num(v, ".1f") for v in table["step_ms"]]
-    out["exposed comm"] = [f"{_num(ms, '.1f')} ms ({_pct(sh)})"
-                           for ms, sh in zip(table["comm_ms"], table["comm_share"])]
+    out["exposed comm"] = [
+        f"{_num(ms, '.1f')} ms ({_pct(sh)})"
+        for ms, sh in zip(table["comm_ms"], table["comm_share"])
+    ]
     out["vs single, all cores"] = [_times(v) for v in table["speedup_all_cores"]]
     out["vs single, same cores"] = [_times(v) for v in table["speedup_same_cores"]]
     out["efficiency"] = [_pct(v) for v in table["efficiency"]]
     if "bubble_fraction" in table:
-        for col, name in (("bubble_fraction", "bubble"), ("bubble_predicted", "predicted"),
-                          ("bubble_theory", "(P-1)/(M+P-1)")):
+        for col, name in (
+            ("bubble_fraction", "bubble"),
+            ("bubble_predicted", "predicted"),
+            ("bubble_theory", "(P-1)/(M+P-1)"),
+        ):
             out[name] = [_num(v, ".2f") for v in table[col]]
-    if "throughput_fraction" in table:     # load balancing: whole-run figures
+    if "throughput_fraction" in table:  # load balancing: whole-run figures
         out["of ideal (sum of solo)"] = [_pct(v) for v in table["throughput_fraction"]]
         out["waiting"] = [_pct(v) for v in table["wait_share"]]
     out["loss (global batch)"] = [_num(v, ".4f") for v in table["loss"]]
     if "cpu_share" in table:
         out["CPU share"] = [_pct(v) for v in table["cpu_share"]]
-    out["flag"] = [", ".join(f for f, on in (("busy", row.get("busy", False)),
-                                              ("oversubscribed", row.get("oversubscribed", False)))
-                             if on) for _, row in table.iterrows()]
+    out["flag"] = [
+        ", ".join(
+            f
+            for f, on in (
+                ("busy", row.get("busy", False)),
+                ("oversubscribed", row.get("oversubscribed", False)),
+            )
+            if on
+        )
+        for _, row in table.iterrows()
+    ]
     # a column with nothing in it (speed-ups without a single run beside, the flag when no row
     # is flagged) only takes room
     return out[[c for c in out if out[c].astype(str).str.strip().ne("").any()]]
@@ -66,11 +80,13 @@ def busy_note(table: pd.DataFrame) -> str | None:
         return None
     rows = table[table["busy"]]
     worst = rows["cpu_share"].min()
-    return (f"! the machine was busy during {', '.join(rows['run'])}: a rank got only "
-            f"{_pct(worst)} of a core while it wanted one (labkit flags below "
-            f"{_pct(BUSY_SHARE)}). Another program was using the cores, so these rows' times and "
-            f"speed-ups measure that program, not the strategy, and are not comparable: close it "
-            f"and run again.")
+    return (
+        f"! the machine was busy during {', '.join(rows['run'])}: a rank got only "
+        f"{_pct(worst)} of a core while it wanted one (labkit flags below "
+        f"{_pct(BUSY_SHARE)}). Another program was using the cores, so these rows' times and "
+        f"speed-ups measure that program, not the strategy, and are not comparable: close it "
+        f"and run again."
+    )
 
 
 def explain(table: pd.DataFrame) -> str:
@@ -88,7 +104,8 @@ def explain(table: pd.DataFrame) -> str:
                 f"{row['run']}: each stage idled {_pct(row['bubble_fraction'])} of the step; the "
                 f"schedule simulated on this run's measured stage times, hand-offs and dispatch "
                 f"predicted {_pct(row['bubble_predicted'])}, the closed form "
-                f"(P-1)/(M+P-1) {_pct(row['bubble_theory'])} (it counts hand-offs as free).")
+                f"(P-1)/(M+P-1) {_pct(row['bubble_theory'])} (it counts hand-offs as free)."
+            )
             continue
         if not math.isnan(row.get("throughput_fraction", math.nan)):
             lines.append(
@@ -98,11 +115,14 @@ def explain(table: pd.DataFrame) -> str:
                 f"time); the ranks spent {_pct(row['wait_share'])} of their time waiting at the "
                 f"sync for the slowest one. Each step ends when the slowest rank does, so a static "
                 f"split runs at the straggler's pace; shares that follow throughput give the "
-                f"slow rank less work until every rank computes equally long.")
+                f"slow rank less work until every rank computes equally long."
+            )
             continue
         if STRATEGY_RANKS[row["strategy"]] == "one" and str(row["device"]).startswith("cpu"):
-            lines.append(f"{row['run']} is one process: DataParallel splits a batch over GPUs "
-                         f"only, so on CPU it is single, and its speed-up is noise.")
+            lines.append(
+                f"{row['run']} is one process: DataParallel splits a batch over GPUs "
+                f"only, so on CPU it is single, and its speed-up is noise."
+            )
             continue
         if math.isnan(row["speedup_same_cores"]):
             continue
@@ -112,7 +132,8 @@ def explain(table: pd.DataFrame) -> str:
             f"rank's share of the cores ({threads} thread{'s' if threads > 1 else ''}), a "
             f"parallel efficiency of {_pct(row['efficiency'])}. Of its {row['step_ms']:.1f} ms "
             f"median step, {row['comm_ms']:.1f} ms ({_pct(row['comm_share'])}) was exposed "
-            f"communication: gradient all-reduce that backward could not hide.")
+            f"communication: gradient all-reduce that backward could not hide."
+        )
         if row["speedup_all_cores"] < 1:
             slower.append(f"{row['run']} {_times(row['speedup_all_cores'])}")
     if slower:
@@ -121,8 +142,11 @@ def explain(table: pd.DataFrame) -> str:
             f"memory bandwidth that one process would use whole, then pay to synchronise a full "
             f"copy of the model every step. Distributing pays off with more hardware per rank "
             f"(GPUs, more machines), more compute per byte exchanged (a larger global batch or "
-            f"model), or fewer all-reduces per sample (gradient accumulation).")
+            f"model), or fewer all-reduces per sample (gradient accumulation)."
+        )
     if (table["world_size"] == 1).any() and (table["strategy"] != "single").any():
-        lines.append("World-size-1 rows talk to no one: the time DDP's reducer or a one-rank "
-                     "all-reduce took is shown as sync overhead, not communication.")
+        lines.append(
+            "World-size-1 rows talk to no one: the time DDP's reducer or a one-rank "
+            "all-reduce took is shown as sync overhead, not communication."
+        )
     return "\n".join(lines)

@@ -9,6 +9,7 @@ found by bisection): ranks with long sequences get fewer of them. The update is 
 the same samples are trained, only which rank trains which differs (weight each rank's loss by
 its sample count, as ``labkit.balance`` does, and the gradient is the global batch's).
 """
+
 from __future__ import annotations
 
 import time
@@ -23,13 +24,16 @@ class VariableLengthTokens(Dataset):
     """Token sequences with long-tailed lengths (log-normal, clipped); the label says whether
     more than half the tokens are in the lower half of the vocabulary. Seeded, in memory."""
 
-    def __init__(self, size: int = 2048, vocab: int = 64, min_len: int = 4, max_len: int = 128,
-                 seed: int = 0):
+    def __init__(
+        self, size: int = 2048, vocab: int = 64, min_len: int = 4, max_len: int = 128, seed: int = 0
+    ):
         g = torch.Generator().manual_seed(seed)
-        raw = torch.exp(torch.randn(size, generator=g) * 0.8 + 3.0)         # median ~20
+        raw = torch.exp(torch.randn(size, generator=g) * 0.8 + 3.0)  # median ~20
         self.lengths = raw.round().clamp(min_len, max_len).long()
         self.tokens = [torch.randint(1, vocab, (int(n),), generator=g) for n in self.lengths]
-        self.labels = torch.tensor([int((t < vocab // 2).float().mean() > 0.5) for t in self.tokens])
+        self.labels = torch.tensor(
+            [int((t < vocab // 2).float().mean() > 0.5) for t in self.tokens]
+        )
         self.vocab = vocab
 
     def __len__(self) -> int:
@@ -79,7 +83,7 @@ def shard(lengths, world_size: int, policy: str = "random") -> list[list[int]]:
         return [list(range(s, s + c)) for s, c in zip(starts, per)]
     if policy != "cost":
         raise ValueError(f"policy must be random or cost, got {policy!r}")
-    order = sorted(range(n), key=lambda i: -lengths[i])            # longest first
+    order = sorted(range(n), key=lambda i: -lengths[i])  # longest first
 
     def cut(bound: float) -> list[list[int]] | None:
         pieces, cur = [], []
@@ -92,23 +96,29 @@ def shard(lengths, world_size: int, policy: str = "random") -> list[list[int]]:
         return pieces if len(pieces) <= world_size else None
 
     lo, hi = max(lengths), padded_cost(lengths)
-    while hi - lo > 1:                          # the smallest bound that needs <= world_size cuts
+    while hi - lo > 1:  # the smallest bound that needs <= world_size cuts
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if cut(mid) else (mid, hi)
     pieces = cut(hi)
-    while len(pieces) < world_size:             # more ranks than needed: split the biggest piece
+    while len(pieces) < world_size:  # more ranks than needed: split the biggest piece
         big = max(range(len(pieces)), key=lambda p: len(pieces[p]))
         half = len(pieces[big]) // 2
         if half == 0:
             pieces.append([])
             continue
-        pieces[big:big + 1] = [pieces[big][:half], pieces[big][half:]]
+        pieces[big : big + 1] = [pieces[big][:half], pieces[big][half:]]
     return pieces
 
 
-def measure(dataset: VariableLengthTokens, world_size: int = 2, global_batch: int = 64,
-            steps: int = 8, policies=("random", "cost"), seed: int = 0,
-            repeats: int = 3) -> pd.DataFrame:
+def measure(
+    dataset: VariableLengthTokens,
+    world_size: int = 2,
+    global_batch: int = 64,
+    steps: int = 8,
+    policies=("random", "cost"),
+    seed: int = 0,
+    repeats: int = 3,
+) -> pd.DataFrame:
     """Per (policy, step, rank): samples, real and padded tokens, and the measured forward +
     backward seconds of that rank's shard.
 
@@ -121,21 +131,29 @@ def measure(dataset: VariableLengthTokens, world_size: int = 2, global_batch: in
     order = torch.randperm(len(dataset), generator=g).tolist()
     rows = []
     for step in range(steps):
-        idx = order[step * global_batch:(step + 1) * global_batch]
+        idx = order[step * global_batch : (step + 1) * global_batch]
         lengths = [int(dataset.lengths[i]) for i in idx]
         for policy in policies:
             for rank, part in enumerate(shard(lengths, world_size, policy)):
                 mine = [lengths[p] for p in part]
                 x, y = pad([dataset[idx[p]] for p in part]) if part else (None, None)
-                rows.append({"policy": policy, "step": step, "rank": rank, "samples": len(part),
-                             "tokens": sum(mine), "padded_tokens": padded_cost(mine),
-                             "compute_s": _time(model, loss_fn, x, y, repeats) if part else 0.0})
+                rows.append(
+                    {
+                        "policy": policy,
+                        "step": step,
+                        "rank": rank,
+                        "samples": len(part),
+                        "tokens": sum(mine),
+                        "padded_tokens": padded_cost(mine),
+                        "compute_s": _time(model, loss_fn, x, y, repeats) if part else 0.0,
+                    }
+                )
     return pd.DataFrame(rows)
 
 
 def _time(model, loss_fn, x, y, repeats: int) -> float:
     times = []
-    for _ in range(repeats + 1):                 # the first one warms the allocator up
+    for _ in range(repeats + 1):  # the first one warms the allocator up
         t = time.perf_counter()
         loss_fn(model(x), y).backward()
         times.append(time.perf_counter() - t)
@@ -147,12 +165,17 @@ def step_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per policy: the median step (slowest rank), the imbalance (slowest / mean rank compute,
     median over steps; 1.0 is perfect) and the share of padded tokens that are padding."""
     per_step = rows.groupby(["policy", "step"]).agg(
-        step_s=("compute_s", "max"), mean_s=("compute_s", "mean"),
-        tokens=("tokens", "sum"), padded=("padded_tokens", "sum"))
+        step_s=("compute_s", "max"),
+        mean_s=("compute_s", "mean"),
+        tokens=("tokens", "sum"),
+        padded=("padded_tokens", "sum"),
+    )
     per_step["imbalance"] = per_step["step_s"] / per_step["mean_s"]
     per_step["padding_share"] = 1 - per_step["tokens"] / per_step["padded"]
-    out = per_step.groupby("policy").agg(step_ms=("step_s", "median"),
-                                         imbalance=("imbalance", "median"),
-                                         padding_share=("padding_share", "median"))
+    out = per_step.groupby("policy").agg(
+        step_ms=("step_s", "median"),
+        imbalance=("imbalance", "median"),
+        padding_share=("padding_share", "median"),
+    )
     out["step_ms"] *= 1e3
     return out.reset_index()

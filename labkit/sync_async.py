@@ -22,6 +22,7 @@ below a target. Bytes are the payload every rank handed to communication, summed
 (DDP's gradients each step, local SGD's parameters each round, the server's pushes and replies);
 hogwild's shared memory sends nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,15 +40,20 @@ ASYNCHRONOUS = ("async_ps", "hogwild")
 def _label(g: pd.DataFrame) -> str:
     row = g.iloc[0]
     v = row.get("variant", "")
-    return run_label(row["strategy"], int(row["world_size"]), row.get("threads", 1),
-                     v if isinstance(v, str) else "")
+    return run_label(
+        row["strategy"],
+        int(row["world_size"]),
+        row.get("threads", 1),
+        v if isinstance(v, str) else "",
+    )
 
 
 def runs(records: pd.DataFrame):
     """(label, records) per run, in the order the runs appear."""
     keys = ["strategy", "world_size"] + (["variant"] if "variant" in records else [])
-    recs = records.assign(variant=records["variant"].fillna("")) if "variant" in records \
-        else records
+    recs = (
+        records.assign(variant=records["variant"].fillna("")) if "variant" in records else records
+    )
     for _, g in recs.groupby(keys, sort=False):
         yield _label(g), g
 
@@ -77,22 +83,34 @@ def _curve(g: pd.DataFrame) -> pd.DataFrame:
     if strategy == "async_ps":
         server = g[g["role"] == "server"].sort_values("end_s")
         pushed = float(g.loc[g["role"] == "worker", "comm_bytes"].median())
-        return pd.DataFrame({"time_s": server["end_s"].to_numpy(),
-                             "loss": server["shard_loss"].to_numpy(),
-                             "samples_step": server["samples"].to_numpy(),
-                             "bytes_step": server["comm_bytes"].to_numpy() + pushed,
-                             "staleness": server["staleness"].to_numpy(),
-                             "averaged": 0})
+        return pd.DataFrame(
+            {
+                "time_s": server["end_s"].to_numpy(),
+                "loss": server["shard_loss"].to_numpy(),
+                "samples_step": server["samples"].to_numpy(),
+                "bytes_step": server["comm_bytes"].to_numpy() + pushed,
+                "staleness": server["staleness"].to_numpy(),
+                "averaged": 0,
+            }
+        )
     if strategy == "hogwild":
         rows = g.sort_values("end_s")
-        return pd.DataFrame({"time_s": rows["end_s"].to_numpy(),
-                             "loss": rows["shard_loss"].to_numpy(),
-                             "samples_step": rows["samples"].to_numpy(),
-                             "bytes_step": rows["comm_bytes"].to_numpy(),
-                             "staleness": rows["staleness"].to_numpy(), "averaged": 0})
-    steps = g.groupby("step").agg(time_s=("end_s", "max"), loss=("loss", "first"),
-                                  samples_step=("samples", "sum"),
-                                  bytes_step=("comm_bytes", "sum"))
+        return pd.DataFrame(
+            {
+                "time_s": rows["end_s"].to_numpy(),
+                "loss": rows["shard_loss"].to_numpy(),
+                "samples_step": rows["samples"].to_numpy(),
+                "bytes_step": rows["comm_bytes"].to_numpy(),
+                "staleness": rows["staleness"].to_numpy(),
+                "averaged": 0,
+            }
+        )
+    steps = g.groupby("step").agg(
+        time_s=("end_s", "max"),
+        loss=("loss", "first"),
+        samples_step=("samples", "sum"),
+        bytes_step=("comm_bytes", "sum"),
+    )
     steps["staleness"] = math.nan
     steps["averaged"] = g.groupby("step")["averaged"].max() if "averaged" in g else 1
     return steps.reset_index(drop=True)
@@ -104,6 +122,7 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
     wall time), final smoothed loss, averaging rounds and staleness; ``cpu_share``/``busy`` as
     ``experiment.summarize`` reads them (the least share any rank got, median over steps)."""
     from .experiment import BUSY_SHARE, cpu_share
+
     curves = updates(records, window)
     rows = []
     for (label, g), (_, recs) in zip(curves.groupby("run", sort=False), runs(records)):
@@ -111,33 +130,42 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
         first = hit.iloc[0] if len(hit) else None
         stale = g["staleness"].dropna()
         share = cpu_share(recs)
-        rows.append({
-            "run": label, "strategy": g["strategy"].iloc[0],
-            "updates_to_target": math.nan if first is None else int(first["update"]),
-            "seconds_to_target": math.nan if first is None else float(first["time_s"]),
-            "samples_to_target": math.nan if first is None else int(first["samples"]),
-            "bytes_to_target": math.nan if first is None else float(first["bytes"]),
-            "final_loss": float(g["loss_smooth"].iloc[-1]),
-            "samples_per_s": float(g["samples"].iloc[-1] / g["time_s"].iloc[-1]),
-            "updates": len(g), "seconds": float(g["time_s"].iloc[-1]),
-            "bytes": float(g["bytes"].iloc[-1]),
-            "averaging_rounds": int(g["averaged"].sum()) if g["strategy"].iloc[0]
-            in ("local_sgd", "diloco") else (len(g) if g["strategy"].iloc[0] == "ddp" else 0),
-            "staleness_mean": float(stale.mean()) if len(stale) else math.nan,
-            "staleness_max": float(stale.max()) if len(stale) else math.nan,
-            "cpu_share": share, "busy": share < BUSY_SHARE})
+        rows.append(
+            {
+                "run": label,
+                "strategy": g["strategy"].iloc[0],
+                "updates_to_target": math.nan if first is None else int(first["update"]),
+                "seconds_to_target": math.nan if first is None else float(first["time_s"]),
+                "samples_to_target": math.nan if first is None else int(first["samples"]),
+                "bytes_to_target": math.nan if first is None else float(first["bytes"]),
+                "final_loss": float(g["loss_smooth"].iloc[-1]),
+                "samples_per_s": float(g["samples"].iloc[-1] / g["time_s"].iloc[-1]),
+                "updates": len(g),
+                "seconds": float(g["time_s"].iloc[-1]),
+                "bytes": float(g["bytes"].iloc[-1]),
+                "averaging_rounds": int(g["averaged"].sum())
+                if g["strategy"].iloc[0] in ("local_sgd", "diloco")
+                else (len(g) if g["strategy"].iloc[0] == "ddp" else 0),
+                "staleness_mean": float(stale.mean()) if len(stale) else math.nan,
+                "staleness_max": float(stale.max()) if len(stale) else math.nan,
+                "cpu_share": share,
+                "busy": share < BUSY_SHARE,
+            }
+        )
     return pd.DataFrame(rows)
 
 
-def default_target(records: pd.DataFrame, fraction: float = 0.6,
-                   window: int | None = None) -> float:
+def default_target(
+    records: pd.DataFrame, fraction: float = 0.6, window: int | None = None
+) -> float:
     """A target to read every run against: ``fraction`` of the way from the first smoothed loss
     down to the final smoothed loss of the synchronous reference (the first ddp run without a
     straggler, else the first run). Modes that never get there say so (NaN)."""
     curves = updates(records, window)
     start = float(curves.groupby("run", sort=False)["loss_smooth"].first().max())
-    finals = curves.groupby("run", sort=False).agg(strategy=("strategy", "first"),
-                                                   final=("loss_smooth", "last"))
+    finals = curves.groupby("run", sort=False).agg(
+        strategy=("strategy", "first"), final=("loss_smooth", "last")
+    )
     ref = finals[(finals["strategy"] == "ddp") & ~finals.index.str.contains("slow")]
     end = float((ref if len(ref) else finals)["final"].iloc[0])
     return start - fraction * (start - end)
@@ -165,18 +193,27 @@ def sweep(base, modes=SYNC_ASYNC, straggler: float = 1.0, **overrides) -> list:
 
 def people_table(table: pd.DataFrame) -> pd.DataFrame:
     """``to_target``'s table with readable headers and units (for a notebook or a terminal)."""
+
     def num(v, fmt):
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
-    return pd.DataFrame({
-        "run": table["run"],
-        "updates to target": [num(v, ".0f") for v in table["updates_to_target"]],
-        "samples to target": [num(v, ".0f") for v in table["samples_to_target"]],
-        "s to target": [num(v, ".2f") for v in table["seconds_to_target"]],
-        "MB to target": [num(v / 1e6, ".1f") for v in table["bytes_to_target"]],
-        "samples/s": [num(v, ".0f") for v in table["samples_per_s"]],
-        "final loss": [num(v, ".3f") for v in table["final_loss"]],
-        "averaging rounds": table["averaging_rounds"],
-        "staleness mean / max": [f"{num(a, '.2f')} / {num(b, '.0f')}" for a, b in
-                                 zip(table["staleness_mean"], table["staleness_max"])],
-        "cpu share": [num(v, ".2f") + (" busy" if b else "") for v, b in
-                      zip(table["cpu_share"], table["busy"])]})
+
+    return pd.DataFrame(
+        {
+            "run": table["run"],
+            "updates to target": [num(v, ".0f") for v in table["updates_to_target"]],
+            "samples to target": [num(v, ".0f") for v in table["samples_to_target"]],
+            "s to target": [num(v, ".2f") for v in table["seconds_to_target"]],
+            "MB to target": [num(v / 1e6, ".1f") for v in table["bytes_to_target"]],
+            "samples/s": [num(v, ".0f") for v in table["samples_per_s"]],
+            "final loss": [num(v, ".3f") for v in table["final_loss"]],
+            "averaging rounds": table["averaging_rounds"],
+            "staleness mean / max": [
+                f"{num(a, '.2f')} / {num(b, '.0f')}"
+                for a, b in zip(table["staleness_mean"], table["staleness_max"])
+            ],
+            "cpu share": [
+                num(v, ".2f") + (" busy" if b else "")
+                for v, b in zip(table["cpu_share"], table["busy"])
+            ],
+        }
+    )

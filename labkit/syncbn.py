@@ -8,6 +8,7 @@ all-reduces each channel's sum, sum of squares and count; backward all-reduces t
 output gradient and of its product with the normalised input. With equal shards and DDP's
 gradient averaging, it computes exactly what BatchNorm computes on the global batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,13 +21,14 @@ class _SyncBatchNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps):
         C, dims = x.size(1), [0, *range(2, x.dim())]
         shape = [1, C] + [1] * (x.dim() - 2)
-        xd = x.double()                     # sums over a global batch: accumulate in float64
-        stats = torch.cat([xd.sum(dims), (xd * xd).sum(dims),
-                           torch.tensor([x.numel() / C], dtype=torch.float64)])
+        xd = x.double()  # sums over a global batch: accumulate in float64
+        stats = torch.cat(
+            [xd.sum(dims), (xd * xd).sum(dims), torch.tensor([x.numel() / C], dtype=torch.float64)]
+        )
         dist.all_reduce(stats)
         count = stats[-1]
         mean = stats[:C] / count
-        var = stats[C:2 * C] / count - mean * mean          # biased: what normalises
+        var = stats[C : 2 * C] / count - mean * mean  # biased: what normalises
         invstd = torch.rsqrt(var + eps)
         xhat = ((xd - mean.view(shape)) * invstd.view(shape)).to(x.dtype)
         ctx.save_for_backward(xhat, weight, invstd.to(x.dtype))
@@ -63,16 +65,22 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        if not (self.training and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() > 1):
-            return super().forward(x)                      # eval, or nothing to sync with
-        y, mean, var_unbiased = _SyncBatchNormFn.apply(
-            x, self.weight, self.bias, self.eps)
+        if not (
+            self.training
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
+            return super().forward(x)  # eval, or nothing to sync with
+        y, mean, var_unbiased = _SyncBatchNormFn.apply(x, self.weight, self.bias, self.eps)
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked += 1
-                m = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                     else self.momentum)
+                m = (
+                    1.0 / float(self.num_batches_tracked)
+                    if self.momentum is None
+                    else self.momentum
+                )
                 self.running_mean.mul_(1 - m).add_(m * mean)
                 self.running_var.mul_(1 - m).add_(m * var_unbiased)
         return y
@@ -83,10 +91,16 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str = "cpu") -> nn.Mo
     labkit's ``SyncBatchNorm`` elsewhere; weights, running statistics and settings carried over."""
     if device_type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module,
-                                                                             SyncBatchNorm):
-        sync = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                             module.track_running_stats)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+        module, SyncBatchNorm
+    ):
+        sync = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+        )
         sync.load_state_dict(module.state_dict())
         sync.train(module.training)
         return sync

@@ -9,6 +9,7 @@ done. ``JoinableSync`` is the from-scratch twin of ``DistributedDataParallel.joi
 ``sampler_padding`` counts how ``DistributedSampler`` avoids uneven inputs in the first place:
 repeated samples, or dropped ones.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 
 # ---- join: uneven inputs, with a Joinable written by hand ----------------------------------------
+
 
 class JoinableSync(Joinable):
     """``ddp_naive``'s gradient all-reduce, joinable: averaged over the samples of the ranks
@@ -67,8 +69,9 @@ class JoinableSync(Joinable):
     def dtype(self) -> torch.dtype:
         """The dtype of one ``reduce`` message: the parameters' promoted with float32 (a sample
         count is exact there; bf16 would round 1001 samples to 1000)."""
-        return functools.reduce(torch.promote_types, (p.dtype for p in self.model.parameters()),
-                                torch.float32)
+        return functools.reduce(
+            torch.promote_types, (p.dtype for p in self.model.parameters()), torch.float32
+        )
 
     def numel(self) -> int:
         """Elements of one ``reduce`` message: every parameter's, and the sample count."""
@@ -92,12 +95,13 @@ class _Shadow(JoinHook):
     def __init__(self, sync: JoinableSync):
         self.sync = sync
 
-    def main_hook(self) -> None:                     # no gradients, no samples from me
-        dist.all_reduce(torch.zeros(self.sync.numel(), dtype=self.sync.dtype,
-                                    device=self.sync.device))
+    def main_hook(self) -> None:  # no gradients, no samples from me
+        dist.all_reduce(
+            torch.zeros(self.sync.numel(), dtype=self.sync.dtype, device=self.sync.device)
+        )
 
 
-def join_context(balancer: "Balancer | None"):
+def join_context(balancer: Balancer | None):
     """``Join([sync])`` when the balancer has a joinable sync (``rebalance="join"``)."""
     if balancer is None or balancer.joinable is None:
         return nullcontext()
@@ -105,6 +109,7 @@ def join_context(balancer: "Balancer | None"):
 
 
 # ---- uneven inputs: the hang, bounded, and the fix ----------------------------------------------
+
 
 class UnevenInputsError(RuntimeError):
     """A rank ran out of data while others were still all-reducing (the run was stopped)."""
@@ -131,9 +136,14 @@ def uneven_inputs(batches=(5, 3), *, join: bool = False, cfg=None, timeout_s: fl
     cfg = cfg.replace(strategy="ddp", world_size=len(batches))
     seen: dict[int, dict] = {}
     try:
-        rows = launch(_uneven_rank, len(batches), args=(cfg, tuple(batches), join),
-                      timeout_s=timeout_s, device=cfg.device,
-                      on_progress=lambda rank, m: seen.__setitem__(rank, m))
+        rows = launch(
+            _uneven_rank,
+            len(batches),
+            args=(cfg, tuple(batches), join),
+            timeout_s=timeout_s,
+            device=cfg.device,
+            on_progress=lambda rank, m: seen.__setitem__(rank, m),
+        )
     except LaunchError as exc:
         if join:
             raise
@@ -145,29 +155,41 @@ def _uneven_message(batches, seen: dict, timeout_s: float) -> str:
     out = [r for r, m in seen.items() if m.get("done")]
     stuck = [r for r in range(len(batches)) if r not in out]
     first = min(out, default=min(range(len(batches)), key=lambda r: batches[r]))
-    waiting = ", ".join(f"rank {r} (batch {seen.get(r, {}).get('batch', 0) + 1} of {batches[r]})"
-                        for r in stuck)
-    return (f"rank {first} ran out of data after {batches[first]} batches while {waiting} still "
-            f"trained: the gradient all-reduce of the next batch waited for rank {first}, which "
-            f"never came, until labkit's {timeout_s:g} s timeout stopped every rank (without a "
-            f"timeout the job hangs forever). Fix: train under `with Join([ddp_model]):` (or "
-            f"`with ddp_model.join():`), or give every rank the same number of batches "
-            f"(DistributedSampler pads its shards with repeated samples, or drop_last=True drops "
-            f"the remainder)")
+    waiting = ", ".join(
+        f"rank {r} (batch {seen.get(r, {}).get('batch', 0) + 1} of {batches[r]})" for r in stuck
+    )
+    return (
+        f"rank {first} ran out of data after {batches[first]} batches while {waiting} still "
+        f"trained: the gradient all-reduce of the next batch waited for rank {first}, which "
+        f"never came, until labkit's {timeout_s:g} s timeout stopped every rank (without a "
+        f"timeout the job hangs forever). Fix: train under `with Join([ddp_model]):` (or "
+        f"`with ddp_model.join():`), or give every rank the same number of batches "
+        f"(DistributedSampler pads its shards with repeated samples, or drop_last=True drops "
+        f"the remainder)"
+    )
 
 
 def _uneven_rank(ctx, cfg, batches, join: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .data import batches as endless, shard_loader
+    from .data import batches as endless
+    from .data import shard_loader
     from .factories import Factories
+
     fns = Factories()
     torch.manual_seed(cfg.seed)
     model = fns.model(cfg).to(ctx.device)
     ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
     loss_fn, optimizer = fns.loss(cfg), fns.optimizer(cfg, ddp.parameters())
-    data = endless(shard_loader(fns.dataset(cfg), cfg.global_batch // ctx.world_size, ctx.rank,
-                                ctx.world_size, seed=cfg.seed))
+    data = endless(
+        shard_loader(
+            fns.dataset(cfg),
+            cfg.global_batch // ctx.world_size,
+            ctx.rank,
+            ctx.world_size,
+            seed=cfg.seed,
+        )
+    )
     mine = batches[ctx.rank]
     t0 = time.perf_counter()
     with Join([ddp]) if join else nullcontext():
@@ -180,12 +202,16 @@ def _uneven_rank(ctx, cfg, batches, join: bool) -> dict:
         trained = time.perf_counter() - t0
         ctx.report(batch=mine, of=mine, done=True)
     total = time.perf_counter() - t0
-    return {"rank": ctx.rank, "batches": mine, "trained_s": trained,
-            "shadowed_steps": max(batches) - mine if join else 0,
-            "joined_s": total - trained}
+    return {
+        "rank": ctx.rank,
+        "batches": mine,
+        "trained_s": trained,
+        "shadowed_steps": max(batches) - mine if join else 0,
+        "joined_s": total - trained,
+    }
 
 
-def sampler_padding(dataset_size: int, world_size: int) -> "pd.DataFrame":
+def sampler_padding(dataset_size: int, world_size: int) -> pd.DataFrame:
     """What ``DistributedSampler`` does when ``dataset_size`` does not divide by ``world_size``,
     counted by running it: with ``drop_last=False`` it pads the shards with repeated samples
     (every rank gets the same count, some samples are seen twice); with ``drop_last=True`` it
@@ -195,14 +221,32 @@ def sampler_padding(dataset_size: int, world_size: int) -> "pd.DataFrame":
     class _Sized:
         def __len__(self):
             return dataset_size
+
     rows = []
     for drop_last in (False, True):
-        shards = [list(DistributedSampler(_Sized(), num_replicas=world_size, rank=r,
-                                          shuffle=True, seed=0, drop_last=drop_last))
-                  for r in range(world_size)]
+        shards = [
+            list(
+                DistributedSampler(
+                    _Sized(),
+                    num_replicas=world_size,
+                    rank=r,
+                    shuffle=True,
+                    seed=0,
+                    drop_last=drop_last,
+                )
+            )
+            for r in range(world_size)
+        ]
         seen = [i for s in shards for i in s]
-        rows.append({"drop_last": drop_last, "dataset_size": dataset_size,
-                     "world_size": world_size, "per_rank": len(shards[0]),
-                     "seen": len(seen), "repeated": len(seen) - len(set(seen)),
-                     "dropped": dataset_size - len(set(seen))})
+        rows.append(
+            {
+                "drop_last": drop_last,
+                "dataset_size": dataset_size,
+                "world_size": world_size,
+                "per_rank": len(shards[0]),
+                "seen": len(seen),
+                "repeated": len(seen) - len(set(seen)),
+                "dropped": dataset_size - len(set(seen)),
+            }
+        )
     return pd.DataFrame(rows)

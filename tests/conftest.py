@@ -1,4 +1,5 @@
 """Shared fixtures: the repository root, and a check that no rank process outlives a test."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -2,24 +2,33 @@
 that follow throughput give exactly single-device training's update, Join lets uneven ranks
 finish while the run without it ends in a clear error inside its timeout, and cost-aware
 sharding evens out padded work. The throughput goal is a benchmark, not a timed test."""
+
 from __future__ import annotations
 
 import time
 
 import pandas as pd
-import torch
 import pytest
+import torch
 
 import labkit
 from labkit import RunConfig, balance, experiment, sharding, uneven
 from labkit.predict import step
 from labkit.predict.collectives import AlphaBeta, CollectiveModel
 
-BASE = RunConfig(strategy="ddp_naive", world_size=2, steps=6, warmup=1, global_batch=64,
-                 width=128, dataset_size=1024)
+BASE = RunConfig(
+    strategy="ddp_naive",
+    world_size=2,
+    steps=6,
+    warmup=1,
+    global_batch=64,
+    width=128,
+    dataset_size=1024,
+)
 
 
 # ---- parsing, shares, validation ------------------------------------------------------------
+
 
 def test_slowdown_spellings_agree():
     want = ((0, 1.5, 10), (1, 2.0, None))
@@ -29,23 +38,28 @@ def test_slowdown_spellings_agree():
     assert RunConfig(strategy="ddp_naive", slowdown="1:2").slowdown == ((1, 2.0, None),)
     assert balance.format_slowdown(want) == "0:1.5@10,1:2"
     assert balance.slowdown_at(want, 0, 9) == 1.0 and balance.slowdown_at(want, 0, 10) == 1.5
-    assert balance.slowdown_at(want, 1, -2) == 2.0          # warm-up too
+    assert balance.slowdown_at(want, 1, -2) == 2.0  # warm-up too
 
 
-@pytest.mark.parametrize("bad, match", [("1", "RANK:FACTOR"), ("1:x", "RANK:FACTOR"),
-                                        ("1:0.5", "below 1"), ("1:2,1:3", "twice")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [("1", "RANK:FACTOR"), ("1:x", "RANK:FACTOR"), ("1:0.5", "below 1"), ("1:2,1:3", "twice")],
+)
 def test_bad_slowdown_says_how(bad, match):
     with pytest.raises(ValueError, match=match):
         balance.parse_slowdown(bad)
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(strategy="ddp", skew=0.5), "set strategy='ddp_naive'"),   # a straggler alone is fine
-    (dict(slowdown="2:2"), "ranks 0..1"),
-    (dict(accumulate=2), "accumulate=1"),
-    (dict(rebalance="sometimes"), "rebalance must be one of"),
-    (dict(skew=-1), "skew must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(strategy="ddp", skew=0.5), "set strategy='ddp_naive'"),  # a straggler alone is fine
+        (dict(slowdown="2:2"), "ranks 0..1"),
+        (dict(accumulate=2), "accumulate=1"),
+        (dict(rebalance="sometimes"), "rebalance must be one of"),
+        (dict(skew=-1), "skew must be >= 0"),
+    ],
+)
 def test_balancing_config_errors_name_the_fix(changes, match):
     with pytest.raises(ValueError, match=match):
         RunConfig(**{**dict(strategy="ddp_naive", slowdown="1:2"), **changes})
@@ -54,7 +68,7 @@ def test_balancing_config_errors_name_the_fix(changes, match):
 def test_split_is_whole_proportional_and_complete():
     assert balance.split(64, [1, 1]) == [32, 32]
     assert balance.split(64, [2, 1]) == [43, 21]
-    assert balance.split(10, [1, 0, 0]) == [8, 1, 1]         # everyone keeps at least one
+    assert balance.split(10, [1, 0, 0]) == [8, 1, 1]  # everyone keeps at least one
     assert sum(balance.split(1000, [0.3, 1.7, 2.2, 5.0])) == 1000
     assert balance.skew_weights(3, 1.0) == [1.0, 1.5, 2.0]
 
@@ -74,9 +88,16 @@ def test_predictor_static_runs_at_the_stragglers_pace_dynamic_evens_it_out():
 
 def test_throughput_fraction_from_records():
     # rank 0 computes 10 ms and waits 10; rank 1 computes 20: half of rank 0's time is wasted
-    recs = pd.DataFrame([
-        dict(rank=0, step=s, samples=32, step_s=0.025, wait_s=0.010, comm_s=0.005) for s in range(3)
-    ] + [dict(rank=1, step=s, samples=32, step_s=0.025, wait_s=0.0, comm_s=0.005) for s in range(3)])
+    recs = pd.DataFrame(
+        [
+            dict(rank=0, step=s, samples=32, step_s=0.025, wait_s=0.010, comm_s=0.005)
+            for s in range(3)
+        ]
+        + [
+            dict(rank=1, step=s, samples=32, step_s=0.025, wait_s=0.0, comm_s=0.005)
+            for s in range(3)
+        ]
+    )
     got = balance.throughput(recs)
     assert got["samples_per_s_run"] == pytest.approx(64 / 0.025)
     assert got["ideal_samples_per_s"] == pytest.approx(32 / 0.010 + 32 / 0.020)
@@ -85,6 +106,7 @@ def test_throughput_fraction_from_records():
 
 # ---- real ranks ------------------------------------------------------------------------------
 
+
 def test_a_slowdown_slows_its_rank_and_only_it():
     # width 512: a few ms of compute, so the straggler's lag dwarfs gloo's ~0.5 ms all-gather
     # floor, which both ranks pay (at width 128 the lag was ~0.6 ms and the ratio was noise)
@@ -92,13 +114,17 @@ def test_a_slowdown_slows_its_rank_and_only_it():
     res = experiment.run(base.replace(slowdown="1:3"))
     per = res.records.groupby("rank")[["backward_s", "forward_s", "wait_s"]].median()
     compute = per["backward_s"] + per["forward_s"]
-    assert compute[1] > 2 * compute[0]             # rank 1 really takes longer (3x: sleep 2x)
+    assert compute[1] > 2 * compute[0]  # rank 1 really takes longer (3x: sleep 2x)
     lag = compute[1] - compute[0]
-    assert per["wait_s"][0] > 0.5 * lag            # and rank 0 waits for it at the sync
+    assert per["wait_s"][0] > 0.5 * lag  # and rank 0 waits for it at the sync
     assert per["wait_s"][0] > 3 * per["wait_s"][1]
-    plain = experiment.run(base).records.groupby("rank")[
-        ["backward_s", "forward_s"]].median().sum(axis=1)
-    assert compute[0] < 2 * plain[0]               # the fast rank is not slowed by its peer
+    plain = (
+        experiment.run(base)
+        .records.groupby("rank")[["backward_s", "forward_s"]]
+        .median()
+        .sum(axis=1)
+    )
+    assert compute[0] < 2 * plain[0]  # the fast rank is not slowed by its peer
     assert set(res.records.loc[res.records["rank"] == 1, "slowdown"]) == {3.0}
 
 
@@ -108,13 +134,13 @@ def test_dynamic_shares_move_and_the_update_still_equals_single():
     assert table["ok"].all(), table.to_dict("records")
     assert table["max_abs_diff"].iloc[0] <= 1e-5
     shares = experiment.run(cfg.replace(steps=5)).records.query("rank == 1")["share"]
-    assert shares.iloc[0] == 0.5 and shares.iloc[-1] < 0.45    # the slow rank was given less
+    assert shares.iloc[0] == 0.5 and shares.iloc[-1] < 0.45  # the slow rank was given less
 
 
 def test_dynamic_shares_start_from_the_last_warm_up_step():
     cfg = BASE.replace(slowdown="1:3", rebalance="dynamic", rebalance_every=4, warmup=2, steps=2)
     shares = experiment.run(cfg).records.query("rank == 1")["share"]
-    assert shares.iloc[0] < 0.45                   # not even: set before the first measured step
+    assert shares.iloc[0] < 0.45  # not even: set before the first measured step
 
 
 def test_skewed_static_shares_equal_single_too():
@@ -125,7 +151,7 @@ def test_skewed_static_shares_equal_single_too():
 def test_join_policy_runs_uneven_steps_to_the_end():
     res = experiment.run(BASE.replace(rebalance="join", skew=1.0, steps=6, warmup=0))
     steps = res.records.groupby("rank")["step"].count()
-    assert steps[0] == 3 and steps[1] == 6          # rank 0 held half the data
+    assert steps[0] == 3 and steps[1] == 6  # rank 0 held half the data
     assert res.records["loss"].notna().all()
     with pytest.raises(ValueError, match="uneven inputs"):
         experiment.check(BASE.replace(rebalance="join"), ["ddp_naive"])
@@ -141,6 +167,7 @@ def _joined_grads(ctx, join_kwargs):
     """Rank 1 takes two steps, rank 0 one: each step's gradient of sum(w . [1, 1])."""
     from torch.distributed.algorithms import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     lin = torch.nn.Linear(2, 1, bias=False)
     ddp, grads = DDP(lin), []
     with Join([ddp], **join_kwargs):
@@ -163,7 +190,7 @@ def test_uneven_ranks_without_join_end_in_a_clear_error_inside_the_timeout():
     t = time.perf_counter()
     with pytest.raises(uneven.UnevenInputsError, match="rank 1 ran out of data after 2 batches"):
         uneven.uneven_inputs((4, 2), join=False, timeout_s=4)
-    assert time.perf_counter() - t < 4 + 20       # the timeout, start-up and the stack dump
+    assert time.perf_counter() - t < 4 + 20  # the timeout, start-up and the stack dump
 
 
 def test_sampler_padding_counts_repeats_and_drops():
@@ -174,18 +201,25 @@ def test_sampler_padding_counts_repeats_and_drops():
 
 # ---- variable-cost samples -------------------------------------------------------------------
 
+
 def test_cost_aware_sharding_evens_out_padded_work():
     ds = sharding.VariableLengthTokens(512, seed=1)
     worse = 0
     for k in range(8):
-        lengths = [int(n) for n in ds.lengths[64 * k:64 * (k + 1)]]
-        cost = {p: [sharding.padded_cost([lengths[i] for i in part])
-                    for part in sharding.shard(lengths, 2, p)] for p in ("random", "cost")}
-        assert sorted(i for part in sharding.shard(lengths, 2, "cost") for i in part) \
-            == list(range(64))                       # every sample, once
+        lengths = [int(n) for n in ds.lengths[64 * k : 64 * (k + 1)]]
+        cost = {
+            p: [
+                sharding.padded_cost([lengths[i] for i in part])
+                for part in sharding.shard(lengths, 2, p)
+            ]
+            for p in ("random", "cost")
+        }
+        assert sorted(i for part in sharding.shard(lengths, 2, "cost") for i in part) == list(
+            range(64)
+        )  # every sample, once
         assert max(cost["cost"]) <= max(cost["random"])
         worse += max(cost["cost"]) < 0.8 * max(cost["random"])
-    assert worse >= 6                                # usually far less padding on the busiest
+    assert worse >= 6  # usually far less padding on the busiest
 
 
 def test_sharding_measurement_has_a_row_per_policy_step_and_rank():

@@ -2,6 +2,7 @@
 
 No timing assertions: the machine is shared and noisy, so only the output's shape is checked.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,12 @@ NUMBER = r"\d+\.\d+"
 
 
 def run_bench(name: str, json_path: Path) -> list[str]:
-    proc = subprocess.run([sys.executable, str(BENCH / name), "--quick", "--json", str(json_path)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), "--quick", "--json", str(json_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout.strip().splitlines()
 
@@ -28,13 +33,15 @@ def test_launch_overhead_quick(tmp_path):
     lines = run_bench("launch_overhead.py", tmp_path / "launch.json")
     text = "\n".join(lines)
     for row in ("labkit first launch", "labkit later launch", "mp.spawn"):
-        assert re.search(rf"^{re.escape(row)}\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$", text,
-                         re.M), f"no table row for {row!r} in:\n{text}"
+        assert re.search(
+            rf"^{re.escape(row)}\s+\d+\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}$", text, re.M
+        ), f"no table row for {row!r} in:\n{text}"
     assert re.search(rf"^labkit later launch / mp\.spawn: {NUMBER}x$", text, re.M), text
     assert re.search(rf"^labkit first launch / mp\.spawn: {NUMBER}x$", text, re.M), text
     assert ("not installed, skipped" in text) or ("accelerate notebook_launcher" in text), text
-    assert re.fullmatch(rf"labkit/notebook_launcher warm launch ratio: {NUMBER}", lines[-1]), \
-        lines[-1]
+    assert re.fullmatch(rf"labkit/notebook_launcher warm launch ratio: {NUMBER}", lines[-1]), lines[
+        -1
+    ]
 
     out = json.loads((tmp_path / "launch.json").read_text())
     assert out["repeats"] == 2
@@ -42,8 +49,10 @@ def test_launch_overhead_quick(tmp_path):
     assert len(out["samples"]["labkit later launch"]) == 2
     assert len(out["samples"]["mp.spawn"]) == 2
     assert all(v > 0 for v in out["medians_s"].values())
-    assert set(out["ratios"]) >= {"labkit first launch / mp.spawn",
-                                  "labkit later launch / mp.spawn"}
+    assert set(out["ratios"]) >= {
+        "labkit first launch / mp.spawn",
+        "labkit later launch / mp.spawn",
+    }
 
 
 @pytest.mark.slow
@@ -61,7 +70,8 @@ def test_ddp_overhead_quick(tmp_path):
     assert all(t > 0 for t in out["samples_s"]["labkit"] + out["samples_s"]["raw"])
     # One round: the median of per-round ratios is that round's end-to-end ratio.
     assert out["ratio"] == pytest.approx(
-        out["wall_per_step_s"]["labkit"] / out["wall_per_step_s"]["raw"])
+        out["wall_per_step_s"]["labkit"] / out["wall_per_step_s"]["raw"]
+    )
     # end to end includes what the probed step cannot see, so it is never below it per step
     assert out["wall_per_step_s"]["labkit"] >= min(out["samples_s"]["labkit"])
     assert out["round_ratios"] == [pytest.approx(out["ratio"])]
@@ -72,11 +82,14 @@ def test_ddp_overhead_quick(tmp_path):
 @pytest.mark.slow
 def test_comm_overhead_quick(tmp_path):
     lines = run_bench("comm_overhead.py", tmp_path / "comm.json")
-    assert len(lines) == 3, lines                      # two sizes, then the headline
-    assert re.fullmatch(rf"labkit/bare all_reduce time ratio \(median over sizes\): {NUMBER} "
-                        rf"\(goal 0\.90-1\.10\)", lines[-1]), lines[-1]
+    assert len(lines) == 3, lines  # two sizes, then the headline
+    assert re.fullmatch(
+        rf"labkit/bare all_reduce time ratio \(median over sizes\): {NUMBER} "
+        rf"\(goal 0\.90-1\.10\)",
+        lines[-1],
+    ), lines[-1]
     out = json.loads((tmp_path / "comm.json").read_text())
-    assert [r["bytes"] for r in out["rows"]] == [16384, 2 ** 20]
+    assert [r["bytes"] for r in out["rows"]] == [16384, 2**20]
     assert all(r["labkit_ms"] > 0 and r["bare_ms"] > 0 for r in out["rows"])
 
 
@@ -84,10 +97,15 @@ def test_comm_overhead_quick(tmp_path):
 def test_load_balance_quick(tmp_path):
     lines = run_bench("load_balance.py", tmp_path / "lb.json")
     for policy in ("static", "join", "dynamic"):
-        assert any(re.match(rf"^\s*{policy}\s+{NUMBER} of ideal \(rounds: {NUMBER}\)", l)
-                   for l in lines), lines
-    assert re.fullmatch(rf"dynamic throughput fraction under a 2x straggler: {NUMBER} "
-                        rf"\(goal >= 0\.85\)", lines[-1]), lines[-1]
+        assert any(
+            re.match(rf"^\s*{policy}\s+{NUMBER} of ideal \(rounds: {NUMBER}\)", line)
+            for line in lines
+        ), lines
+    assert re.fullmatch(
+        rf"dynamic throughput fraction under a 2x straggler: {NUMBER} "
+        rf"\(goal >= 0\.85\)",
+        lines[-1],
+    ), lines[-1]
     out = json.loads((tmp_path / "lb.json").read_text())
     assert [r["policy"] for r in out["rows"]] == ["static", "join", "dynamic"]
     assert all(0 < r["fraction"] <= 1.2 for r in out["rows"])
@@ -96,21 +114,27 @@ def test_load_balance_quick(tmp_path):
 @pytest.mark.slow
 def test_memory_precision_quick(tmp_path):
     lines = run_bench("memory_precision.py", tmp_path / "mem.json")
-    for what in ("bf16/fp32 activation bytes ratio", "checkpointed/plain cnn activation bytes ratio",
-                 "checkpointed/plain cnn backward time ratio"):
-        assert any(re.match(rf"{re.escape(what)}: {NUMBER}", l) for l in lines), lines
+    for what in (
+        "bf16/fp32 activation bytes ratio",
+        "checkpointed/plain cnn activation bytes ratio",
+        "checkpointed/plain cnn backward time ratio",
+    ):
+        assert any(re.match(rf"{re.escape(what)}: {NUMBER}", line) for line in lines), lines
     assert re.fullmatch(rf"bf16/fp32 step-time ratio: {NUMBER}", lines[-1]), lines[-1]
     out = json.loads((tmp_path / "mem.json").read_text())
-    assert out["precision"]["activation_ratio"] < 0.75          # counted bytes, not timings
+    assert out["precision"]["activation_ratio"] < 0.75  # counted bytes, not timings
     assert out["checkpoint"]["activation_ratio"] < 0.5
 
 
 def test_sync_async_quick(tmp_path):
     lines = run_bench("sync_async.py", tmp_path / "sa.json")
     for mode in ("ddp", "local_sgd", "diloco", "async_ps", "hogwild"):
-        assert sum(bool(re.match(rf"^\s*{mode}\s+\d", l)) for l in lines) == 2, lines
-    assert re.fullmatch(rf"async_ps / ddp seconds to target under a 3x straggler ratio: "
-                        rf"({NUMBER}|nan)", lines[-1]), lines[-1]
+        assert sum(bool(re.match(rf"^\s*{mode}\s+\d", line)) for line in lines) == 2, lines
+    assert re.fullmatch(
+        rf"async_ps / ddp seconds to target under a 3x straggler ratio: "
+        rf"({NUMBER}|nan)",
+        lines[-1],
+    ), lines[-1]
     out = json.loads((tmp_path / "sa.json").read_text())
     assert [r["straggler"] for r in out["rows"]] == [1.0] * 5 + [3.0] * 5
 
@@ -119,8 +143,11 @@ def test_sync_async_quick(tmp_path):
 def test_comm_drift_quick(tmp_path):
     lines = run_bench("comm_drift.py", tmp_path / "drift.json")
     assert re.fullmatch(rf"launch 0: block medians \(ms\) {NUMBER}, {NUMBER}", lines[0]), lines
-    assert re.fullmatch(rf"all_reduce 833000 B, median of 5 calls per block: min {NUMBER} ms, "
-                        rf"max {NUMBER} ms \({NUMBER} x\)", lines[-1]), lines[-1]
+    assert re.fullmatch(
+        rf"all_reduce 833000 B, median of 5 calls per block: min {NUMBER} ms, "
+        rf"max {NUMBER} ms \({NUMBER} x\)",
+        lines[-1],
+    ), lines[-1]
     out = json.loads((tmp_path / "drift.json").read_text())
     assert len(out["block_medians_s"]) == 1 and len(out["block_medians_s"][0]) == 2
     assert all(m > 0 for m in out["block_medians_s"][0])

@@ -5,6 +5,7 @@ nbval runs every cell, but it never clicks: a panel's Run button runs in a backg
 where what draws and what does not differs from a cell (see labkit/widgets/base.py). Screenshots
 land in out/ (browser-*.png) so a failure can be looked at.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,28 +26,44 @@ OUT = REPO / "out"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: install it with `apt-get install "
-                       "-y chromium` (make test-browser does, as root on Debian)"),
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="no Chromium: install it with `apt-get install "
+        "-y chromium` (make test-browser does, as root on Debian)",
+    ),
 ]
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """JupyterLab on loopback over a copy of the notebooks, with this interpreter's kernel."""
     root = tmp_path_factory.mktemp("lab")
-    for nb in sorted((REPO / "notebooks").glob("0[1-9]_*.ipynb")):      # every lab's notebook
+    for nb in sorted((REPO / "notebooks").glob("0[1-9]_*.ipynb")):  # every lab's notebook
         shutil.copy(nb, root / nb.name)
-    home = tmp_path_factory.mktemp("jupyter")     # no user settings, kernels or news pop-ups
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"),
-           "JUPYTER_DATA_DIR": str(home / "data"), "JUPYTER_RUNTIME_DIR": str(home / "run"),
-           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
+    home = tmp_path_factory.mktemp("jupyter")  # no user settings, kernels or news pop-ups
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTER_DATA_DIR": str(home / "data"),
+        "JUPYTER_RUNTIME_DIR": str(home / "run"),
+        "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+    }
     # render every cell (JupyterLab 4 otherwise draws only those in view) and ask about no news
     settings = home / "settings"
-    for plugin, value in (("notebook-extension/tracker", '{"windowingMode": "none"}'),
-                          ("apputils-extension/notification", '{"fetchNews": "false"}')):
+    for plugin, value in (
+        ("notebook-extension/tracker", '{"windowingMode": "none"}'),
+        ("apputils-extension/notification", '{"fetchNews": "false"}'),
+    ):
         path = settings / "@jupyterlab" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(value)
@@ -55,9 +72,22 @@ def lab(tmp_path_factory):
         port = s.getsockname()[1]
     token = secrets.token_hex(16)
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
-         "--ip=127.0.0.1", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--allow-root",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--ServerApp.token={token}",
+            f"--ServerApp.root_dir={root}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_port(port, 60)
         yield {"url": f"http://127.0.0.1:{port}", "token": token, "server": server}
@@ -72,6 +102,7 @@ def lab(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     from playwright.sync_api import sync_playwright
+
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         yield b
@@ -85,14 +116,16 @@ def one_kernel_at_a_time(lab):
     yield
     import json
     import urllib.request
+
     api = f"{lab['url']}/api/kernels?token={lab['token']}"
     try:
         kernels = json.load(urllib.request.urlopen(api, timeout=10))
         for k in kernels:
-            req = urllib.request.Request(f"{lab['url']}/api/kernels/{k['id']}?token={lab['token']}",
-                                         method="DELETE")
+            req = urllib.request.Request(
+                f"{lab['url']}/api/kernels/{k['id']}?token={lab['token']}", method="DELETE"
+            )
             urllib.request.urlopen(req, timeout=30)
-    except OSError as exc:                  # the next test still runs; say why it may be slower
+    except OSError as exc:  # the next test still runs; say why it may be slower
         print(f"could not shut down kernels: {exc}")
 
 
@@ -117,7 +150,7 @@ def open_and_run_all(browser, lab, name: str, timeout_s: float = 360, upto: str 
     # a workspace of its own: only this notebook open, so selectors cannot match another one
     page.goto(f"{lab['url']}/lab/workspaces/{name[:2]}/tree/{name}?reset&token={lab['token']}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-    try:                                   # "Select Kernel" on first open: keep python3
+    try:  # "Select Kernel" on first open: keep python3
         page.click(".jp-Dialog button:has-text('Select')", timeout=5_000)
     except Exception:
         pass
@@ -129,19 +162,22 @@ def open_and_run_all(browser, lab, name: str, timeout_s: float = 360, upto: str 
     else:
         sources = page.locator(".jp-CodeCell .jp-InputArea-editor").all_inner_texts()
         target = next(i for i, src in enumerate(sources) if upto in src)
-        cells.nth(target).locator(".jp-InputPrompt").click()     # select it (command mode)
+        cells.nth(target).locator(".jp-InputPrompt").click()  # select it (command mode)
         run_menu(page, "Run All Above Selected Cell")
         wait_idle(page, cells, timeout_s)
         run_menu(page, "Run Selected Cell")
     prompts = wait_idle(page, cells, timeout_s)
-    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
-                          ).all_inner_texts()
+    errors = page.locator(
+        ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+    ).all_inner_texts()
     tracebacks = [e for e in errors if "Traceback" in e or re.search(r"^\w+Error\b", e, re.M)]
     if prompts is None:
         page.screenshot(path=str(OUT / f"browser-{name[:2]}-timeout.png"), full_page=True)
         prompts = cells.locator(".jp-InputPrompt").all_inner_texts()
-        raise AssertionError(f"{name}: running did not finish within {timeout_s} s; prompts "
-                             f"{[p.strip() for p in prompts]}; errors {tracebacks[:1]}")
+        raise AssertionError(
+            f"{name}: running did not finish within {timeout_s} s; prompts "
+            f"{[p.strip() for p in prompts]}; errors {tracebacks[:1]}"
+        )
     page.screenshot(path=str(OUT / f"browser-{name[:2]}-run-all.png"), full_page=True)
     last = max(i for i, p in enumerate(prompts) if re.search(r"\[\d+\]", p))
     assert not tracebacks, f"cell {last + 1} of {len(prompts)} raised:\n{tracebacks[0][-3000:]}"
@@ -196,8 +232,9 @@ def set_slider(page, label: str, value: str) -> None:
 
 def bar_fractions(page) -> list[float]:
     """How full each progress bar in the page is (0..1)."""
-    return page.evaluate("""() => [...document.querySelectorAll('.widget-hprogress .progress-bar')]
-        .map(b => b.getBoundingClientRect().width / b.parentElement.getBoundingClientRect().width)""")
+    return page.evaluate("""() =>
+        [...document.querySelectorAll('.widget-hprogress .progress-bar')].map(b =>
+            b.getBoundingClientRect().width / b.parentElement.getBoundingClientRect().width)""")
 
 
 def panel_output(page) -> str:
@@ -224,8 +261,11 @@ def kernel_ranks(lab) -> list[psutil.Process]:
     for p in psutil.Process(lab["server"].pid).children(recursive=True):
         try:
             parent = p.parent()
-            if parent and any("forkserver" in part for part in parent.cmdline()) \
-                    and p.status() != psutil.STATUS_ZOMBIE:
+            if (
+                parent
+                and any("forkserver" in part for part in parent.cmdline())
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
                 ranks.append(p)
         except psutil.NoSuchProcess:
             continue
@@ -235,7 +275,7 @@ def kernel_ranks(lab) -> list[psutil.Process]:
 def test_data_parallel_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
     page = open_and_run_all(browser, lab, "01_data_parallel.ipynb")
-    assert page.locator(".widget-output .js-plotly-plot").count() >= 2   # the panel's charts
+    assert page.locator(".widget-output .js-plotly-plot").count() >= 2  # the panel's charts
     assert "ddp@2" in panel_output(page)
 
     # as a person: pick one strategy, Run, and the panel redraws with that run
@@ -250,7 +290,7 @@ def test_data_parallel_panel_in_a_browser(lab, browser):
     # a world size that does not divide the batch is refused before a run, not after
     world, steps = (page.locator(".widget-slider .noUi-handle").nth(i) for i in (0, 1))
     world.focus()
-    page.keyboard.press("End")                                     # world sizes 1, 2, 4
+    page.keyboard.press("End")  # world sizes 1, 2, 4
     page.fill(".widget-text input", "30")
     page.keyboard.press("Enter")
     wait_status(page, r"cannot run: .*not divisible by world size 4", 10)
@@ -259,14 +299,17 @@ def test_data_parallel_panel_in_a_browser(lab, browser):
     page.keyboard.press("Enter")
     world.focus()
     page.keyboard.press("Home")
-    page.keyboard.press("ArrowRight")                              # back to 2
+    page.keyboard.press("ArrowRight")  # back to 2
     wait_status(page, r"ready: ddp_naive@1, ddp_naive@2", 10)
 
     # a longer run: its bars move, and Stop stops it within a second or two
     steps.focus()
-    page.keyboard.press("End")                                     # 200 steps
-    seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')",
-                                  lambda: page.click(".widget-button:has-text('Stop')"))
+    page.keyboard.press("End")  # 200 steps
+    seen, t0 = run_and_watch_bars(
+        page,
+        ".widget-button:has-text('Run')",
+        lambda: page.click(".widget-button:has-text('Stop')"),
+    )
     wait_status(page, r"stopped</?b?>? by the Stop button|stopped by the Stop button", 10)
     stop_s = time.time() - t0
     page.screenshot(path=str(OUT / "browser-01-stopped.png"), full_page=True)
@@ -277,6 +320,7 @@ def test_data_parallel_panel_in_a_browser(lab, browser):
     def interrupt():
         page.click(".lm-MenuBar-itemLabel:text-is('Kernel')")
         page.click(".lm-Menu-itemLabel:text-is('Interrupt Kernel')")
+
     seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')", interrupt)
     wait_status(page, r"by the kernel's Interrupt", 10)
     page.screenshot(path=str(OUT / "browser-01-interrupted.png"), full_page=True)
@@ -294,8 +338,8 @@ def test_pipeline_panel_in_a_browser(lab, browser):
 
     # as a person: GPipe with 8 micro-batches, Run, and the Gantt names the new run
     selects = page.locator(".widget-dropdown select")
-    selects.nth(1).select_option("pipeline_gpipe")                 # schedule
-    selects.nth(0).select_option("8")                              # micro-batches
+    selects.nth(1).select_option("pipeline_gpipe")  # schedule
+    selects.nth(0).select_option("8")  # micro-batches
     wait_status(page, r"ready: pipeline_gpipe P=2 M=8", 10)
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: pipeline_gpipe P=2 M=8", 120)
@@ -320,7 +364,7 @@ def test_communication_panels_in_a_browser(lab, browser):
 
     # as a person: the fp16 hook, Run, and the knobs table gains that run beside the first
     knobs = page.locator(".widget-dropdown select")
-    knobs.nth(1).select_option("fp16")                              # comm hook
+    knobs.nth(1).select_option("fp16")  # comm hook
     wait_status(page, r"ready: ddp@2, fp16", 10)
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: ddp@2, fp16", 120)
@@ -336,7 +380,7 @@ def test_communication_panels_in_a_browser(lab, browser):
 
     # the what-if panel redraws on a change, with no run: step time instead of efficiency
     assert "scaling efficiency" in panel_output(page)
-    knobs.nth(3).select_option(label="step time (ms)")              # what-if: show
+    knobs.nth(3).select_option(label="step time (ms)")  # what-if: show
     deadline = time.time() + 20
     while "predicted step time" not in panel_output(page) and time.time() < deadline:
         time.sleep(0.2)
@@ -376,8 +420,9 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
 
 def test_elastic_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "07_elastic.ipynb", timeout_s=480,
-                            upto="labkit.elastic_panel(")
+    page = open_and_run_all(
+        browser, lab, "07_elastic.ipynb", timeout_s=480, upto="labkit.elastic_panel("
+    )
     wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 2000 steps", 10)
 
     # as a person: more steps (typed into the readout), Run, then a node joins with a click
@@ -393,17 +438,19 @@ def test_elastic_panel_in_a_browser(lab, browser):
     page.screenshot(path=str(OUT / "browser-07-join.png"), full_page=True)
     assert "join" in shown and "an elastic job over time" in shown, (status, shown[:800])
     # every agent and worker the panel started is gone
-    left = [p for p in psutil.Process(lab["server"].pid).children(recursive=True)
-            if any(k in " ".join(p.cmdline()) for k in ("torch.distributed.run", "labkit.worker"))
-            and p.status() != psutil.STATUS_ZOMBIE]
+    left = [
+        p
+        for p in psutil.Process(lab["server"].pid).children(recursive=True)
+        if any(k in " ".join(p.cmdline()) for k in ("torch.distributed.run", "labkit.worker"))
+        and p.status() != psutil.STATUS_ZOMBIE
+    ]
     assert not left, left
     page.close()
 
 
 def test_memory_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "05_memory_precision.ipynb",
-                            upto="labkit.memory_panel(")
+    page = open_and_run_all(browser, lab, "05_memory_precision.ipynb", upto="labkit.memory_panel(")
     wait_status(page, r"done: fsdp@2, mlp 256x4", 10)
 
     # as a person: pick ZeRO-1 (the calculated bar redraws at once), then Run to measure it

@@ -1,4 +1,5 @@
 """RunConfig: frozen, validated, and every ValueError says what to change."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,23 +23,34 @@ INVALID = [
     ({"backend": "ucc"}, ["backend must be gloo, nccl, mpi or None"]),
     ({"pipeline_impl": "fast"}, ["pipeline_impl must be one of", "'scratch'"]),
     ({"strategy": "single"}, ["single runs on one device: set world_size=1 (got 2)"]),
-    ({"strategy": "pipeline_gpipe", "world_size": 2, "stages": 3},
-     ["set world_size == stages", "world_size=2, stages=3"]),
-    ({"strategy": "pipeline_1f1b", "global_batch": 30, "microbatches": 4},
-     ["global batch 30 is not divisible by 4 micro-batches", "multiple of microbatches"]),
-    ({"strategy": "model_parallel", "world_size": 4, "stages": 4, "depth": 2},
-     ["depth 2 has 3 layers, too few for 4 stages", "raise depth or lower stages"]),
-    ({"global_batch": 30, "world_size": 4},
-     ["global batch 30 is not divisible by world size 4", "a multiple of 4"]),
-    ({"dataset_size": 32, "global_batch": 64},
-     ["dataset_size 32 is smaller than one global batch (64)", "raise dataset_size"]),
+    (
+        {"strategy": "pipeline_gpipe", "world_size": 2, "stages": 3},
+        ["set world_size == stages", "world_size=2, stages=3"],
+    ),
+    (
+        {"strategy": "pipeline_1f1b", "global_batch": 30, "microbatches": 4},
+        ["global batch 30 is not divisible by 4 micro-batches", "multiple of microbatches"],
+    ),
+    (
+        {"strategy": "model_parallel", "world_size": 4, "stages": 4, "depth": 2},
+        ["depth 2 has 3 layers, too few for 4 stages", "raise depth or lower stages"],
+    ),
+    (
+        {"global_batch": 30, "world_size": 4},
+        ["global batch 30 is not divisible by world size 4", "a multiple of 4"],
+    ),
+    (
+        {"dataset_size": 32, "global_batch": 64},
+        ["dataset_size 32 is smaller than one global batch (64)", "raise dataset_size"],
+    ),
     ({"threads": 0}, ["threads must be at least 1 or None"]),
     ({"timeout_s": 0}, ["timeout_s must be positive"]),
 ]
 
 
-@pytest.mark.parametrize("changes, words", INVALID,
-                         ids=[",".join(f"{k}={v}" for k, v in c.items()) for c, _ in INVALID])
+@pytest.mark.parametrize(
+    "changes, words", INVALID, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c, _ in INVALID]
+)
 def test_each_invalid_config_raises_a_value_error_naming_the_fix(changes, words):
     with pytest.raises(ValueError) as info:
         RunConfig(**changes)
@@ -69,10 +81,18 @@ def test_frozen():
         cfg.world_size = 4
 
 
-@pytest.mark.parametrize("strategy, world_size, ranks", [
-    ("single", 1, 1), ("dp", 2, 1), ("ddp", 2, 2), ("ddp_naive", 4, 4), ("model_parallel", 2, 2),
-    ("pipeline_gpipe", 2, 2), ("pipeline_1f1b", 2, 2),
-])
+@pytest.mark.parametrize(
+    "strategy, world_size, ranks",
+    [
+        ("single", 1, 1),
+        ("dp", 2, 1),
+        ("ddp", 2, 2),
+        ("ddp_naive", 4, 4),
+        ("model_parallel", 2, 2),
+        ("pipeline_gpipe", 2, 2),
+        ("pipeline_1f1b", 2, 2),
+    ],
+)
 def test_ranks_is_the_number_of_processes(strategy, world_size, ranks):
     assert RunConfig(strategy=strategy, world_size=world_size).ranks == ranks
 
@@ -80,8 +100,12 @@ def test_ranks_is_the_number_of_processes(strategy, world_size, ranks):
 def test_batch_per_rank():
     assert RunConfig(strategy="ddp", world_size=4, global_batch=64).batch_per_rank == 16
     assert RunConfig(strategy="dp", world_size=2, global_batch=64).batch_per_rank == 64
-    assert RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, global_batch=64,
-                     microbatches=8).batch_per_rank == 8
+    assert (
+        RunConfig(
+            strategy="pipeline_gpipe", world_size=2, stages=2, global_batch=64, microbatches=8
+        ).batch_per_rank
+        == 8
+    )
 
 
 def test_to_dict_round_trips():

@@ -1,4 +1,5 @@
 """Toy data (learnable, seeded, sharded) and toy models (splittable into stages)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,15 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from labkit.config import RunConfig
 from labkit.data import SyntheticImages, ToyClassification, batches, make_dataset, shard_loader
-from labkit.models import (cnn, even_bounds, make_model, mlp, split, stage_param_names,
-                           unbalanced_mlp)
+from labkit.models import (
+    cnn,
+    even_bounds,
+    make_model,
+    mlp,
+    split,
+    stage_param_names,
+    unbalanced_mlp,
+)
 
 
 class Indices(Dataset):
@@ -39,9 +47,10 @@ def _majority(y: torch.Tensor) -> float:
 
 # ---- toy data -----------------------------------------------------------------------------------
 
+
 def test_toy_classification_is_learnable_by_a_linear_probe():
     ds = ToyClassification(2048, in_features=32, classes=10, seed=0)
-    assert ds.y.unique().numel() == 10                   # every class occurs
+    assert ds.y.unique().numel() == 10  # every class occurs
     acc = _linear_probe_accuracy(ds.x, ds.y, 1536, 10)
     # labels come from a nonlinear teacher; a linear probe still gets well past guessing
     assert acc > 2 * _majority(ds.y), f"probe accuracy {acc:.2f} vs chance {_majority(ds.y):.2f}"
@@ -69,17 +78,21 @@ def test_synthetic_images_are_learnable_and_transformed():
     x0, y0 = ds[0]
     assert ds.images.dtype == torch.uint8 and ds.images.shape == (768, 3, 16, 16)
     assert x0.dtype == torch.float32 and x0.shape == (3, 16, 16) and y0.dtype == torch.int64
-    assert -1.0 <= x0.min() and x0.max() <= 1.0           # ToDtype(scale) then Normalize(.5, .5)
-    x = ds.transform(ds.images)                          # v2 transforms take a batch, too
+    assert -1.0 <= x0.min() and x0.max() <= 1.0  # ToDtype(scale) then Normalize(.5, .5)
+    x = ds.transform(ds.images)  # v2 transforms take a batch, too
     assert torch.equal(x[0], x0)
     acc = _linear_probe_accuracy(x.flatten(1), ds.y, 512, 10)
     assert acc > 2 * _majority(ds.y), f"probe accuracy {acc:.2f} vs chance {_majority(ds.y):.2f}"
 
 
-@pytest.mark.parametrize("make", [
-    lambda seed: ToyClassification(256, 8, 4, seed=seed),
-    lambda seed: SyntheticImages(64, 4, seed=seed),
-], ids=["toy", "images"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda seed: ToyClassification(256, 8, 4, seed=seed),
+        lambda seed: SyntheticImages(64, 4, seed=seed),
+    ],
+    ids=["toy", "images"],
+)
 def test_datasets_are_seeded_and_identical_across_instances(make):
     a, b, c = make(0), make(0), make(1)
     xa = getattr(a, "x", None) if hasattr(a, "x") else a.images
@@ -99,9 +112,12 @@ def test_make_dataset_follows_the_config():
 
 # ---- sharding -----------------------------------------------------------------------------------
 
+
 def _shards(n: int, batch_size: int, world_size: int, seed: int = 0) -> list[list[int]]:
-    return [[int(i) for b in shard_loader(Indices(n), batch_size, rank, world_size, seed)
-             for i in b] for rank in range(world_size)]
+    return [
+        [int(i) for b in shard_loader(Indices(n), batch_size, rank, world_size, seed) for i in b]
+        for rank in range(world_size)
+    ]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -110,11 +126,11 @@ def test_shards_are_disjoint_and_cover_all_but_the_remainder(world_size, n, batc
     shards = _shards(n, batch_size, world_size)
     seen = [i for shard in shards for i in shard]
     assert len(seen) == len(set(seen)), "a sample went to two ranks"
-    per_rank = n // world_size                           # the sampler drops n % world_size ...
-    per_rank -= per_rank % batch_size                    # ... and the loader a partial batch
+    per_rank = n // world_size  # the sampler drops n % world_size ...
+    per_rank -= per_rank % batch_size  # ... and the loader a partial batch
     assert [len(s) for s in shards] == [per_rank] * world_size
     assert set(seen) <= set(range(n))
-    if batch_size == 1:                                   # only the sampler's remainder is missing
+    if batch_size == 1:  # only the sampler's remainder is missing
         assert len(set(seen)) == n - n % world_size
 
 
@@ -136,13 +152,13 @@ def test_shard_smaller_than_a_batch_says_so():
 def test_batches_reshuffles_each_epoch_and_is_seeded():
     def epochs(rank, seed=0):
         it = batches(shard_loader(Indices(40), 5, rank=rank, world_size=2, seed=seed))
-        flat = [int(i) for _ in range(8) for i in next(it)]   # 4 batches per epoch
+        flat = [int(i) for _ in range(8) for i in next(it)]  # 4 batches per epoch
         return flat[:20], flat[20:]
 
     (first0, second0), (first1, second1) = epochs(0), epochs(1)
-    assert first1 != second1                             # a new order each epoch (set_epoch)
+    assert first1 != second1  # a new order each epoch (set_epoch)
     assert sorted(first0 + first1) == sorted(second0 + second1) == list(range(40))
-    assert epochs(1) == (first1, second1)                # the same run for the same seed
+    assert epochs(1) == (first1, second1)  # the same run for the same seed
     assert epochs(1, seed=1)[0] != first1
 
 
@@ -183,7 +199,7 @@ def test_split_stages_hold_the_whole_models_own_parameters(name):
     whole = {id(p) for p in model.parameters()}
     parts = split(model, even_bounds(len(model), 3))
     local = [id(p) for part in parts for p in part.parameters()]
-    assert sorted(local) == sorted(whole)                # shared, not copied; each once
+    assert sorted(local) == sorted(whole)  # shared, not copied; each once
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -197,9 +213,9 @@ def test_stage_param_names_map_to_the_whole_model(name):
         assert set(names) == {local for local, _ in part.named_parameters()}
         for local, param in part.named_parameters():
             assert names[local] in whole, f"stage {stage}: {local} -> {names[local]}"
-            assert whole[names[local]] is param          # the very same tensor
+            assert whole[names[local]] is param  # the very same tensor
             mapped[names[local]] = local
-    assert set(mapped) == set(whole)                     # every parameter, exactly one stage
+    assert set(mapped) == set(whole)  # every parameter, exactly one stage
 
 
 @pytest.mark.parametrize("n_layers, stages", [(5, 1), (5, 2), (5, 3), (5, 5), (8, 3), (2, 2)])
@@ -238,4 +254,4 @@ def test_unbalanced_mlp_puts_most_work_late():
     model = unbalanced_mlp(32, 256, 4, 10)
     sizes = [sum(p.numel() for p in block.parameters()) for block in model[:-1]]
     assert sizes == sorted(sizes) and sizes[-1] > 4 * sizes[0]
-    assert len(unbalanced_mlp(8, 16, 1, 2)) == 2         # depth 1 falls back to a plain MLP
+    assert len(unbalanced_mlp(8, 16, 1, 2)) == 2  # depth 1 falls back to a plain MLP

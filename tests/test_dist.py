@@ -1,4 +1,5 @@
 """labkit.dist: process groups, rank-aware printing and reductions, on 2 real gloo ranks."""
+
 from __future__ import annotations
 
 import os
@@ -8,14 +9,25 @@ import torch
 import torch.distributed as dist
 
 from labkit import launch
-from labkit.dist import (RankContext, all_reduce_mean, cleanup, gather_to_main, local_context,
-                         print0, reduce_scalar, rprint, session, setup)
+from labkit.dist import (
+    RankContext,
+    all_reduce_mean,
+    cleanup,
+    gather_to_main,
+    local_context,
+    print0,
+    reduce_scalar,
+    rprint,
+    session,
+    setup,
+)
 from tests.helpers import ranks
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 
 # ---- process groups -----------------------------------------------------------------------------
+
 
 def test_seed_style_setup_and_cleanup_with_launch_setup_false():
     out = launch(ranks.seed_style, 2, timeout_s=60, device="cpu", setup=False)
@@ -45,9 +57,13 @@ def test_session_from_the_environment_always_destroys_the_group():
     def body(ctx):
         seen = {}
         try:
-            with session(device="cpu", timeout_s=30) as inner:    # RANK etc. from the env
-                seen = {"rank": inner.rank, "world_size": inner.world_size,
-                        "backend": inner.backend, "distributed": inner.distributed}
+            with session(device="cpu", timeout_s=30) as inner:  # RANK etc. from the env
+                seen = {
+                    "rank": inner.rank,
+                    "world_size": inner.world_size,
+                    "backend": inner.backend,
+                    "distributed": inner.distributed,
+                }
                 dist.barrier()
                 raise RuntimeError("training failed inside the session")
         except RuntimeError as exc:
@@ -57,8 +73,14 @@ def test_session_from_the_environment_always_destroys_the_group():
 
     out = launch(body, 2, timeout_s=60, device="cpu", setup=False)
     for rank, r in enumerate(out):
-        assert r == {"rank": rank, "world_size": 2, "backend": "gloo", "distributed": True,
-                     "error": "training failed inside the session", "initialized_after": False}
+        assert r == {
+            "rank": rank,
+            "world_size": 2,
+            "backend": "gloo",
+            "distributed": True,
+            "error": "training failed inside the session",
+            "initialized_after": False,
+        }
 
 
 def test_session_without_rank_or_environment_says_what_it_needs(monkeypatch):
@@ -80,7 +102,7 @@ def test_setup_without_a_port_says_where_to_get_one(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal of nccl")
 def test_nccl_on_cpu_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29999")                  # never reached: refused first
+    monkeypatch.setenv("MASTER_PORT", "29999")  # never reached: refused first
     with pytest.raises(ValueError, match="on CPU ranks use backend='gloo'"):
         setup(0, 1, backend="nccl")
     assert not dist.is_initialized()
@@ -90,13 +112,14 @@ def test_local_context_is_rank_0_of_1_without_a_group():
     ctx = local_context(device="cpu")
     assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend) == (0, 0, 1, None)
     assert ctx.device == torch.device("cpu") and ctx.is_main and not ctx.distributed
-    ctx.report(step=1)                             # the default report is a harmless no-op
-    with pytest.raises(AttributeError):            # frozen: a rank cannot change who it is
+    ctx.report(step=1)  # the default report is a harmless no-op
+    with pytest.raises(AttributeError):  # frozen: a rank cannot change who it is
         ctx.rank = 1
     assert isinstance(ctx, RankContext)
 
 
 # ---- rank-aware printing ------------------------------------------------------------------------
+
 
 def test_print0_and_rprint_on_two_ranks():
     out = launch(ranks.printed, 2, timeout_s=60, device="cpu")
@@ -110,7 +133,7 @@ def test_print0_and_rprint_outside_a_group_follow_the_environment(monkeypatch, c
     print0("alone")
     rprint("alone")
     assert capsys.readouterr().out == "alone\n[rank 0/1] alone\n"
-    monkeypatch.setenv("RANK", "1")                # e.g. torchrun rank 1 before init
+    monkeypatch.setenv("RANK", "1")  # e.g. torchrun rank 1 before init
     monkeypatch.setenv("WORLD_SIZE", "2")
     print0("hidden")
     rprint("shown")
@@ -118,6 +141,7 @@ def test_print0_and_rprint_outside_a_group_follow_the_environment(monkeypatch, c
 
 
 # ---- reductions ---------------------------------------------------------------------------------
+
 
 def test_reduce_scalar_sum_mean_max_min_over_two_ranks():
     out = launch(ranks.reductions, 2, timeout_s=60, device="cpu")
@@ -145,7 +169,7 @@ def test_reductions_are_identities_without_a_group():
 
 def test_all_reduce_mean_and_gather_to_main_on_two_ranks():
     def body(ctx):
-        t = torch.full((3,), float(ctx.rank * 2))            # rank 0: 0s, rank 1: 2s
+        t = torch.full((3,), float(ctx.rank * 2))  # rank 0: 0s, rank 1: 2s
         all_reduce_mean(t)
         return t.tolist(), gather_to_main({"rank": ctx.rank, "pid": os.getpid()})
 

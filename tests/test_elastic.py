@@ -1,5 +1,6 @@
 """Checkpoint and exact resume; torchrun multi-node on loopback, a killed rank, nodes joining and
 leaving; the faults. The torchrun tests start real agents (seconds each: slow by nature)."""
+
 import json
 import os
 import resource
@@ -29,11 +30,21 @@ def _state(module):
 def _save(folder, cfg, step=3, model=None):
     model = model or nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return checkpoint.save(folder, step=step, epoch=0, offset=0, world_size=1, cfg=cfg,
-                           model=model, optimizer=opt, rng=[checkpoint.rng_state()])
+    return checkpoint.save(
+        folder,
+        step=step,
+        epoch=0,
+        offset=0,
+        world_size=1,
+        cfg=cfg,
+        model=model,
+        optimizer=opt,
+        rng=[checkpoint.rng_state()],
+    )
 
 
 # ---- the file ----------------------------------------------------------------------------------
+
 
 def test_save_load_round_trip_and_rng(tmp_path):
     cfg = RunConfig(strategy="single", world_size=1)
@@ -41,13 +52,13 @@ def test_save_load_round_trip_and_rng(tmp_path):
     torch.manual_seed(7)
     _save(tmp_path, cfg, 5, model)
     expected = torch.rand(3)
-    torch.rand(10)                                     # move the stream on
+    torch.rand(10)  # move the stream on
     ck = checkpoint.load(str(tmp_path), cfg)
     assert ck.step == 5 and ck.world_size == 1 and ck.fingerprint == checkpoint.fingerprint(cfg)
     assert all(torch.equal(ck.model[k], v) for k, v in model.state_dict().items())
     checkpoint.set_rng_state(ck.rng[0])
     assert torch.equal(torch.rand(3), expected)
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]    # no temp file left
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temp file left
 
 
 def test_truncated_foreign_and_other_run_are_refused(tmp_path):
@@ -60,13 +71,13 @@ def test_truncated_foreign_and_other_run_are_refused(tmp_path):
     open(path, "wb").write(raw[:-1] + bytes([raw[-1] ^ 1]))
     with pytest.raises(checkpoint.CheckpointError, match="SHA-256"):
         checkpoint.load(path)
-    torch.save({"model": {}}, path)                    # a plain torch file
+    torch.save({"model": {}}, path)  # a plain torch file
     with pytest.raises(checkpoint.CheckpointError, match="not a labkit checkpoint"):
         checkpoint.load(path)
     open(path, "wb").write(raw)
     with pytest.raises(checkpoint.CheckpointError, match="different run.*fingerprint"):
         checkpoint.load(path, cfg.replace(lr=0.01))
-    assert checkpoint.load(path, cfg.replace(steps=99)).step == 3   # steps may change
+    assert checkpoint.load(path, cfg.replace(steps=99)).step == 3  # steps may change
 
 
 @contextmanager
@@ -115,12 +126,15 @@ def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
 
-@pytest.mark.parametrize("changes_, words", [
-    (dict(checkpoint_every=5), "needs a folder: set checkpoint_dir"),
-    (dict(checkpoint_dir="x", checkpoint_every=-1), "checkpoint_every must be >= 0"),
-    (dict(checkpoint_dir="x", strategy="pipeline_gpipe"), "data-parallel strategies"),
-    (dict(checkpoint_dir="x", strategy="ddp_naive", slowdown="1:2"), "load-balancing"),
-])
+@pytest.mark.parametrize(
+    "changes_, words",
+    [
+        (dict(checkpoint_every=5), "needs a folder: set checkpoint_dir"),
+        (dict(checkpoint_dir="x", checkpoint_every=-1), "checkpoint_every must be >= 0"),
+        (dict(checkpoint_dir="x", strategy="pipeline_gpipe"), "data-parallel strategies"),
+        (dict(checkpoint_dir="x", strategy="ddp_naive", slowdown="1:2"), "load-balancing"),
+    ],
+)
 def test_config_checks(changes_, words):
     with pytest.raises(ValueError, match=words):
         RunConfig(**{"strategy": "ddp", "world_size": 2, **changes_})
@@ -135,13 +149,18 @@ def test_nnodes_that_can_never_be_met(nnodes):
 
 
 def test_commands_running_several_configurations_refuse_a_checkpoint_folder(tmp_path):
-    r = subprocess.run([PY, "-m", "labkit", "compare", "--checkpoint-dir", str(tmp_path),
-                        "--steps", "2"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [PY, "-m", "labkit", "compare", "--checkpoint-dir", str(tmp_path), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--checkpoint-dir" in r.stderr and "torchrun" in r.stderr
     assert not os.listdir(tmp_path)
 
 
 # ---- exact resume (labkit.launch: no torchrun) ---------------------------------------------------
+
 
 def test_ten_steps_equal_five_then_five_resumed_also_from_two_ranks_to_one(tmp_path):
     base = RunConfig(strategy="ddp", world_size=2, steps=10, deterministic=True, **TINY)
@@ -165,32 +184,90 @@ def test_ten_steps_equal_five_then_five_resumed_also_from_two_ranks_to_one(tmp_p
 
 # ---- torchrun ----------------------------------------------------------------------------------
 
+
 def _no_leftovers(job):
     pids = [a.proc.pid for a in job.agents]
     job.close()
-    left = [p for p in psutil.process_iter(["cmdline"])
-            if job.run_id in " ".join(p.info["cmdline"] or []) and p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left and not any(psutil.pid_exists(p) and psutil.Process(p).status()
-                                != psutil.STATUS_ZOMBIE for p in pids), left
+    left = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if job.run_id in " ".join(p.info["cmdline"] or [])
+        and p.is_running()
+        and p.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not left and not any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids
+    ), left
 
 
 def test_two_agents_on_loopback_write_the_standalone_records(tmp_path):
-    args = ["--strategy", "ddp", "--steps", "4", "--warmup", "1", "--width", "32", "--depth", "2",
-            "--global-batch", "32", "--dataset-size", "256"]
+    args = [
+        "--strategy",
+        "ddp",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--width",
+        "32",
+        "--depth",
+        "2",
+        "--global-batch",
+        "32",
+        "--dataset-size",
+        "256",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     alone = tmp_path / "alone.json"
-    r = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "labkit.worker", *args, "--out", str(alone)],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "labkit.worker",
+            *args,
+            "--out",
+            str(alone),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     port, two = free_port(), tmp_path / "two.json"
-    cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t2",
-           "--rdzv-conf", "join_timeout=30,last_call_timeout=1", "-m", "labkit.worker", *args,
-           "--out", str(two)]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                               start_new_session=True) for _ in range(2)]
+    cmd = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "t2",
+        "--rdzv-conf",
+        "join_timeout=30,last_call_timeout=1",
+        "-m",
+        "labkit.worker",
+        *args,
+        "--out",
+        str(two),
+    ]
+    agents = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        for _ in range(2)
+    ]
     try:
         outs = [a.communicate(timeout=120)[0].decode() for a in agents]
     finally:
@@ -200,7 +277,7 @@ def test_two_agents_on_loopback_write_the_standalone_records(tmp_path):
                 a.wait()
     assert [a.returncode for a in agents] == [0, 0], outs
     a, b = (json.loads(p.read_text())["records"] for p in (alone, two))
-    key = lambda x: (x["step"], x["rank"])                                  # noqa: E731
+    key = lambda x: (x["step"], x["rank"])  # noqa: E731
     a, b = sorted(a, key=key), sorted(b, key=key)
     assert [key(x) for x in a] == [key(x) for x in b] and set(a[0]) == set(b[0])
     assert all(x["world_size"] == 2 for x in b)
@@ -208,9 +285,10 @@ def test_two_agents_on_loopback_write_the_standalone_records(tmp_path):
 
 
 def test_a_killed_rank_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
-    cfg = RunConfig(strategy="ddp", steps=40, pace_s=0.05, **TINY)    # >= 2 s: time to kill
-    with ElasticJob(cfg, nnodes="1", nproc_per_node=2, max_restarts=1, folder=str(tmp_path),
-                    checkpoint_every=5) as job:
+    cfg = RunConfig(strategy="ddp", steps=40, pace_s=0.05, **TINY)  # >= 2 s: time to kill
+    with ElasticJob(
+        cfg, nnodes="1", nproc_per_node=2, max_restarts=1, folder=str(tmp_path), checkpoint_every=5
+    ) as job:
         job.add_agent()
         job.wait_for(lambda r: len(r) > 0 and r["step"].max() >= 7, timeout_s=120)
         job.kill_worker()
@@ -220,9 +298,10 @@ def test_a_killed_rank_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
         _no_leftovers(job)
     assert list(steps["attempt"].unique()) == [0, 1]
     first = steps[steps["attempt"] == 1]["step"].min()
-    assert (first - 1) % 5 == 0                       # resumed right after a checkpoint
-    assert ch.iloc[0]["event"] == "kill" and ch.iloc[0]["steps_lost"] == \
-        steps[steps["attempt"] == 0]["step"].max() - (first - 1)
+    assert (first - 1) % 5 == 0  # resumed right after a checkpoint
+    assert ch.iloc[0]["event"] == "kill" and ch.iloc[0]["steps_lost"] == steps[
+        steps["attempt"] == 0
+    ]["step"].max() - (first - 1)
     assert steps.groupby("attempt")["step"].max()[1] == 40
     starts = [r for r in checkpoint.read_timeline(job.cfg.checkpoint_dir) if r["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, first - 1]
@@ -240,9 +319,15 @@ def test_a_node_joins_and_leaves_and_the_global_batch_stays(tmp_path):
         job.add_agent()
         job.wait_for(lambda r: (r["world_size"] == 2).sum() >= 5, timeout_s=120)
         job.remove_agent(1)
-        job.wait_for(lambda r: r["attempt"].max() >= 2 and r["world_size"].iloc[-1] == 1
-                     and (r["attempt"] == r["attempt"].max()).sum() >= 5, timeout_s=120)
-        job.remove_agent(0)                        # stop: SIGTERM, a checkpoint, exit
+        job.wait_for(
+            lambda r: (
+                r["attempt"].max() >= 2
+                and r["world_size"].iloc[-1] == 1
+                and (r["attempt"] == r["attempt"].max()).sum() >= 5
+            ),
+            timeout_s=120,
+        )
+        job.remove_agent(0)  # stop: SIGTERM, a checkpoint, exit
         job.wait(120)
         steps = job.steps()
         ch = changes(job.events, steps, job.t0)
@@ -250,7 +335,7 @@ def test_a_node_joins_and_leaves_and_the_global_batch_stays(tmp_path):
     sizes = steps["world_size"][steps["world_size"].diff() != 0].tolist()
     assert sizes == [1, 2, 1], sizes
     assert list(ch["event"]) == ["join", "leave"] and list(ch["world_after"]) == [2, 1]
-    assert list(ch["steps_lost"]) == [0, 0]        # SIGTERM: the step is finished and saved
+    assert list(ch["steps_lost"]) == [0, 0]  # SIGTERM: the step is finished and saved
     # every step 1..last was trained, each with the whole global batch
     last_step = int(steps["step"].max())
     assert sorted(steps["step"].drop_duplicates()) == list(range(1, last_step + 1))
@@ -266,8 +351,13 @@ def test_a_node_joins_and_leaves_and_the_global_batch_stays(tmp_path):
 def test_an_endpoint_nobody_serves_times_out_clearly(tmp_path):
     cfg = RunConfig(strategy="ddp", steps=2, **TINY)
     # 192.0.2.1 (TEST-NET-1) is never this machine, so the agent must connect as a client
-    with ElasticJob(cfg, nnodes="1:2", endpoint=f"192.0.2.1:{free_port()}", folder=str(tmp_path),
-                    rdzv={"read_timeout": 3, "join_timeout": 5}) as job:
+    with ElasticJob(
+        cfg,
+        nnodes="1:2",
+        endpoint=f"192.0.2.1:{free_port()}",
+        folder=str(tmp_path),
+        rdzv={"read_timeout": 3, "join_timeout": 5},
+    ) as job:
         job.add_agent()
         with pytest.raises(ElasticError, match="nobody serves the rendezvous endpoint"):
             job.wait(60)

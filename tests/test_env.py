@@ -1,4 +1,5 @@
 """labkit.env: the machine probe, device resolution and the oversubscription warning."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ def test_probe_describes_this_machine():
     else:
         assert report.device == "cpu" and report.backend == "gloo"
         assert report.max_world_size == report.cpu_cores
-        assert report.backends["nccl"] is False          # no GPU: nccl is not usable here
+        assert report.backends["nccl"] is False  # no GPU: nccl is not usable here
 
 
 def test_probe_report_is_json_text_and_html():
@@ -59,10 +60,12 @@ def test_resolve_device_on_cpu_only(monkeypatch):
 def test_more_gpu_ranks_than_gpus_names_the_fix(monkeypatch):
     _pretend_gpus(monkeypatch, 1)
     assert env.resolve_device("auto", 1) == "cuda"
-    assert env.resolve_device("auto", 2) == "cpu"            # auto falls back rather than share
+    assert env.resolve_device("auto", 2) == "cpu"  # auto falls back rather than share
     assert env.resolve_device("cuda", 1) == "cuda"
-    with pytest.raises(ValueError, match="world size 2 needs 2 GPUs .* has 1: lower world_size "
-                                         "to 1 or use device='cpu'"):
+    with pytest.raises(
+        ValueError,
+        match="world size 2 needs 2 GPUs .* has 1: lower world_size to 1 or use device='cpu'",
+    ):
         env.resolve_device("cuda", 2)
 
 
@@ -83,7 +86,12 @@ def test_default_backend():
 
 
 def test_cli_env_json_matches_the_probe(repo_root):
-    done = subprocess.run([sys.executable, "-m", "labkit", "env", "--json"], capture_output=True,
-                          text=True, timeout=120, cwd=repo_root)
+    done = subprocess.run(
+        [sys.executable, "-m", "labkit", "env", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=repo_root,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == json.loads(json.dumps(env.probe().to_dict()))

@@ -1,5 +1,6 @@
 """Bring your own model, data, loss and optimizer: misuse fails before any rank starts, every
 factory is called once per rank, and each rank gets its own random stream."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,17 +10,29 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from labkit import RunConfig, experiment
 
-SMALL = RunConfig(strategy="ddp", world_size=2, steps=3, warmup=1, global_batch=32, width=64,
-                  depth=3, dataset_size=256, timeout_s=120)
+SMALL = RunConfig(
+    strategy="ddp",
+    world_size=2,
+    steps=3,
+    warmup=1,
+    global_batch=32,
+    width=64,
+    depth=3,
+    dataset_size=256,
+    timeout_s=120,
+)
 
 
-def global_rng_data(cfg):          # no generator: draws from torch's global RNG
+def global_rng_data(cfg):  # no generator: draws from torch's global RNG
     return TensorDataset(torch.randn(256, 32), torch.randint(0, 10, (256,)))
 
 
 def global_rng_model(cfg):
-    return nn.Sequential(nn.Sequential(nn.Linear(32, 64), nn.ReLU()),
-                         nn.Sequential(nn.Linear(64, 64), nn.ReLU()), nn.Linear(64, 10))
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(32, 64), nn.ReLU()),
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU()),
+        nn.Linear(64, 10),
+    )
 
 
 class TinyTransformer(nn.Module):
@@ -37,28 +50,44 @@ class TinyTransformer(nn.Module):
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fail the test if anything reaches the launcher: misuse must be caught before."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a rank was launched before the misuse was reported")
+
     monkeypatch.setattr(experiment, "launch", refuse)
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"model_fn": nn.Linear(32, 10)}, ["model_fn takes a factory", "lambda cfg: MyModel()"]),
-    ({"data_fn": TensorDataset(torch.randn(64, 32), torch.zeros(64).long())},
-     ["data_fn takes a factory"]),
-    ({"data_fn": lambda cfg: DataLoader(global_rng_data(cfg), batch_size=8)},
-     ["returned a DataLoader", "return its Dataset"]),
-    ({"loss_fn": nn.MSELoss()}, ["loss_fn takes a factory", "lambda cfg: nn.MSELoss()"]),
-    ({"optimizer_fn": torch.optim.Adam}, ["optimizer_fn takes the config and the parameters"]),
-    ({"model_fn": lambda cfg: "not a model"}, ["returned a str, not an nn.Module"]),
-    ({"model_fn": lambda cfg: nn.Linear(8, 10)}, ["cannot take a batch", "(2, 32)"]),
-    ({"model_fn": lambda cfg: nn.Linear(32, 1)},
-     ["one value per sample", "cross-entropy over one class is always 0",
-      "loss_fn=lambda cfg: nn.MSELoss()"]),
-    ({"loss_fn": lambda cfg: nn.CrossEntropyLoss(reduction="sum")}, ["reduction='mean'"]),
-    ({"data_fn": lambda cfg: TensorDataset(torch.randn(8, 32), torch.zeros(8).long())},
-     ["8 samples, fewer than one global batch (32)"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"model_fn": nn.Linear(32, 10)}, ["model_fn takes a factory", "lambda cfg: MyModel()"]),
+        (
+            {"data_fn": TensorDataset(torch.randn(64, 32), torch.zeros(64).long())},
+            ["data_fn takes a factory"],
+        ),
+        (
+            {"data_fn": lambda cfg: DataLoader(global_rng_data(cfg), batch_size=8)},
+            ["returned a DataLoader", "return its Dataset"],
+        ),
+        ({"loss_fn": nn.MSELoss()}, ["loss_fn takes a factory", "lambda cfg: nn.MSELoss()"]),
+        ({"optimizer_fn": torch.optim.Adam}, ["optimizer_fn takes the config and the parameters"]),
+        ({"model_fn": lambda cfg: "not a model"}, ["returned a str, not an nn.Module"]),
+        ({"model_fn": lambda cfg: nn.Linear(8, 10)}, ["cannot take a batch", "(2, 32)"]),
+        (
+            {"model_fn": lambda cfg: nn.Linear(32, 1)},
+            [
+                "one value per sample",
+                "cross-entropy over one class is always 0",
+                "loss_fn=lambda cfg: nn.MSELoss()",
+            ],
+        ),
+        ({"loss_fn": lambda cfg: nn.CrossEntropyLoss(reduction="sum")}, ["reduction='mean'"]),
+        (
+            {"data_fn": lambda cfg: TensorDataset(torch.randn(8, 32), torch.zeros(8).long())},
+            ["8 samples, fewer than one global batch (32)"],
+        ),
+    ],
+)
 def test_misuse_is_reported_before_any_rank_starts(no_launch, kwargs, words):
     with pytest.raises((TypeError, ValueError)) as err:
         experiment.run(SMALL, **kwargs)
@@ -75,19 +104,25 @@ def test_pipelines_name_the_options_for_a_model_they_cannot_cut(no_launch):
 
 def test_activation_checkpointing_a_model_it_cannot_cut_is_refused_before_launch(no_launch):
     with pytest.raises(ValueError, match="checkpoints each block of an nn.Sequential") as err:
-        experiment.run(SMALL.replace(checkpoint=True), model_fn=lambda cfg: TinyTransformer(),
-                       data_fn=global_rng_data)
+        experiment.run(
+            SMALL.replace(checkpoint=True),
+            model_fn=lambda cfg: TinyTransformer(),
+            data_fn=global_rng_data,
+        )
     assert "set checkpoint=False" in str(err.value)
 
 
 def test_a_list_of_stage_modules_is_a_pipeline():
     def stages(cfg):
         return [nn.Sequential(nn.Linear(32, 64), nn.ReLU()), nn.Linear(64, 10)]
+
     cfg = SMALL.replace(strategy="pipeline_gpipe", deterministic=True)
     got = experiment.run(cfg, model_fn=stages, data_fn=global_rng_data).params
-    ref = experiment.run(cfg.replace(strategy="single", world_size=1),
-                         model_fn=lambda cfg: nn.Sequential(*stages(cfg)),
-                         data_fn=global_rng_data).params
+    ref = experiment.run(
+        cfg.replace(strategy="single", world_size=1),
+        model_fn=lambda cfg: nn.Sequential(*stages(cfg)),
+        data_fn=global_rng_data,
+    ).params
     assert set(got) == set(ref)
     assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5
 
@@ -95,9 +130,14 @@ def test_a_list_of_stage_modules_is_a_pipeline():
 def test_a_global_rng_data_fn_gives_every_strategy_the_same_data():
     # data_fn and model_fn draw from the global RNG: each is called once per rank, from the
     # same seeded state, so every strategy (pipelines too) trains on the same data and weights
-    result = experiment.check(SMALL, ["ddp", "ddp_naive", "model_parallel", "pipeline_gpipe",
-                                      "pipeline_1f1b"], world_size=2, steps=3,
-                              model_fn=global_rng_model, data_fn=global_rng_data)
+    result = experiment.check(
+        SMALL,
+        ["ddp", "ddp_naive", "model_parallel", "pipeline_gpipe", "pipeline_1f1b"],
+        world_size=2,
+        steps=3,
+        model_fn=global_rng_model,
+        data_fn=global_rng_data,
+    )
     assert result["ok"].all(), result
     assert (result["max_abs_diff"] <= 1e-5).all(), result
 
@@ -107,18 +147,21 @@ def test_a_regression_model_with_its_own_loss_and_optimizer_trains_the_same_unde
         g = torch.Generator().manual_seed(cfg.seed)
         x = torch.randn(256, 8, generator=g)
         return TensorDataset(x, x.sum(dim=1, keepdim=True))
-    kwargs = dict(model_fn=lambda cfg: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)),
-                  data_fn=data, loss_fn=lambda cfg: nn.MSELoss(),
-                  optimizer_fn=lambda cfg, params: torch.optim.Adam(params, lr=1e-2))
+
+    kwargs = dict(
+        model_fn=lambda cfg: nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)),
+        data_fn=data,
+        loss_fn=lambda cfg: nn.MSELoss(),
+        optimizer_fn=lambda cfg, params: torch.optim.Adam(params, lr=1e-2),
+    )
     cfg = SMALL.replace(steps=20, deterministic=True)
     ddp = experiment.run(cfg, **kwargs)
     single = experiment.run(cfg.replace(strategy="single", world_size=1), **kwargs)
     loss = single.records.groupby("step")["loss"].first()
-    assert loss.iloc[-1] < 0.5 * loss.iloc[0], loss              # it really trains
+    assert loss.iloc[-1] < 0.5 * loss.iloc[0], loss  # it really trains
     got = ddp.records.groupby("step")["loss"].first()
     assert (got - loss).abs().max() <= 1e-5
-    assert max((ddp.params[k] - single.params[k]).abs().max().item()
-               for k in single.params) <= 1e-5
+    assert max((ddp.params[k] - single.params[k]).abs().max().item() for k in single.params) <= 1e-5
 
 
 class Draws(nn.Module):
@@ -139,7 +182,7 @@ def test_each_rank_draws_its_own_random_numbers_from_identical_weights():
     first = experiment.run(cfg, model_fn=lambda cfg: Draws(), data_fn=global_rng_data)
     again = experiment.run(cfg, model_fn=lambda cfg: Draws(), data_fn=global_rng_data)
     draws = [res["params"]["draw"].item() for res in first.results]
-    assert draws[0] != draws[1]                         # dropout masks would differ per rank
-    assert draws == [res["params"]["draw"].item() for res in again.results]   # and repeat
+    assert draws[0] != draws[1]  # dropout masks would differ per rank
+    assert draws == [res["params"]["draw"].item() for res in again.results]  # and repeat
     w0, w1 = (res["params"]["lin.weight"] for res in first.results)
     assert torch.equal(w0, w1)

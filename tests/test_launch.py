@@ -4,6 +4,7 @@ Every test checks that no rank process outlives the call. Rank functions come bo
 ``tests.helpers.ranks`` (sent by reference) and from inside the tests (closures and lambdas,
 which cloudpickle can only send by value, like a function defined in a notebook cell).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,6 +34,7 @@ HAS_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 # ---- the leftover check itself ------------------------------------------------------------------
 
+
 def test_the_leftover_check_sees_ranks_while_they_run():
     # Without this, "no rank outlived the launch" could pass because the helper sees nothing.
     seen = {}
@@ -43,7 +45,8 @@ def test_the_leftover_check_sees_ranks_while_they_run():
     def report_pid(ctx):
         ctx.report(pid=os.getpid())
         import torch.distributed as dist
-        dist.barrier()                              # both ranks are alive until both reported
+
+        dist.barrier()  # both ranks are alive until both reported
         time.sleep(0.5)
         return os.getpid()
 
@@ -55,6 +58,7 @@ def test_the_leftover_check_sees_ranks_while_they_run():
 
 # ---- results ------------------------------------------------------------------------------------
 
+
 def test_results_come_back_in_rank_order_with_a_working_group():
     out = launch(ranks.whoami, 2, timeout_s=60, device="cpu")
     assert [r["rank"] for r in out] == [0, 1]
@@ -63,14 +67,14 @@ def test_results_come_back_in_rank_order_with_a_working_group():
         assert r["world_size"] == r["group_size"] == 2
         assert (r["device"], r["backend"], r["distributed"]) == ("cpu", "gloo", True)
         assert r["is_main"] == (rank == 0)
-        assert r["rank_sum"] == 1.0                  # 0 + 1: the all_reduce crossed processes
+        assert r["rank_sum"] == 1.0  # 0 + 1: the all_reduce crossed processes
     assert out[0]["pid"] != out[1]["pid"]
     assert_no_ranks()
 
 
 def test_rank_order_holds_when_the_last_rank_finishes_first():
     def slow_low_ranks(ctx, base):
-        time.sleep(0.4 * (ctx.world_size - 1 - ctx.rank))   # rank 0 finishes last
+        time.sleep(0.4 * (ctx.world_size - 1 - ctx.rank))  # rank 0 finishes last
         return base + ctx.rank
 
     assert launch(slow_low_ranks, 3, args=(10,), timeout_s=60, device="cpu") == [10, 11, 12]
@@ -80,8 +84,9 @@ def test_args_kwargs_and_world_size_one():
     def combine(ctx, a, b=0, *, scale=1):
         return (ctx.rank, ctx.world_size, (a + b) * scale)
 
-    assert launch(combine, 1, args=(2,), kwargs={"b": 3, "scale": 10}, timeout_s=60,
-                  device="cpu") == [(0, 1, 50)]
+    assert launch(
+        combine, 1, args=(2,), kwargs={"b": 3, "scale": 10}, timeout_s=60, device="cpu"
+    ) == [(0, 1, 50)]
 
 
 def test_threads_per_rank_default_and_explicit():
@@ -93,6 +98,7 @@ def test_threads_per_rank_default_and_explicit():
 
 
 # ---- spawn safety and functions sent by value ---------------------------------------------------
+
 
 def test_ranks_come_from_a_forkserver_not_a_fork_of_the_caller(monkeypatch):
     monkeypatch.setattr(ranks, "MARK", "changed in the caller")
@@ -111,8 +117,12 @@ def test_ranks_come_from_a_forkserver_not_a_fork_of_the_caller(monkeypatch):
 
 def _gc_state(ctx):
     import gc
-    return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
-            "young_collections": gc.get_stats()[0]["collections"]}
+
+    return {
+        "enabled": gc.isenabled(),
+        "frozen": gc.get_freeze_count(),
+        "young_collections": gc.get_stats()[0]["collections"],
+    }
 
 
 def test_ranks_collect_garbage_over_the_frozen_preload_and_only_the_server_skipped_it():
@@ -120,30 +130,31 @@ def test_ranks_collect_garbage_over_the_frozen_preload_and_only_the_server_skipp
     out = launch(_gc_state, 2, timeout_s=60, device="cpu")
     for r in out:
         assert r["enabled"], "a rank inherited the preload's disabled garbage collector"
-        assert r["frozen"] > 100_000, r            # torch's objects, frozen before the fork
+        assert r["frozen"] > 100_000, r  # torch's objects, frozen before the fork
         # importing torch with collection on runs ~700 young collections (counted in the
         # server, inherited by the rank); with it off, only the interpreter's start-up and the
         # rank's own few
         assert r["young_collections"] < 200, r
     import gc
+
     assert gc.isenabled() and "LABKIT_FORKSERVER_PRELOADING" not in os.environ
 
 
 def test_closure_and_lambda_are_sent_by_value():
-    offset = 41                                     # captured: only by-value pickling carries it
+    offset = 41  # captured: only by-value pickling carries it
 
     def cell_function(ctx):
         return ctx.rank + offset
 
-    assert "<locals>" in cell_function.__qualname__     # not importable by name anywhere
+    assert "<locals>" in cell_function.__qualname__  # not importable by name anywhere
     assert launch(cell_function, 2, timeout_s=60, device="cpu") == [41, 42]
-    assert launch(lambda ctx, k: ctx.rank * k, 2, args=(3,), timeout_s=60,
-                  device="cpu") == [0, 3]
+    assert launch(lambda ctx, k: ctx.rank * k, 2, args=(3,), timeout_s=60, device="cpu") == [0, 3]
 
 
 def test_works_from_a_script_with_a_main_guard(tmp_path, repo_root):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import labkit
 
         def square(ctx, x):
@@ -151,9 +162,11 @@ def test_works_from_a_script_with_a_main_guard(tmp_path, repo_root):
 
         if __name__ == "__main__":
             print("RESULT", labkit.launch(square, 2, args=(7,), timeout_s=60, device="cpu"))
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     assert "RESULT [(0, 49), (1, 49)]" in done.stdout
 
@@ -162,24 +175,28 @@ def test_script_without_a_main_guard_works_or_says_why(tmp_path):
     # The articles write top-level scripts. Every rank re-imports the main module, so without
     # the guard each rank would launch again: that must fail fast and name the missing guard.
     script = tmp_path / "flat.py"
-    script.write_text("import labkit\n"
-                      "def f(ctx):\n    return ctx.rank\n"
-                      "print('RESULT', labkit.launch(f, 2, timeout_s=60, device='cpu'))\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    script.write_text(
+        "import labkit\n"
+        "def f(ctx):\n    return ctx.rank\n"
+        "print('RESULT', labkit.launch(f, 2, timeout_s=60, device='cpu'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     ok = done.returncode == 0 and "RESULT [0, 1]" in done.stdout
     last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
-    assert ok or ("RankError" in done.stderr and "if __name__ == '__main__':" in last), \
-        done.stderr[-2000:]
+    assert ok or ("RankError" in done.stderr and "if __name__ == '__main__':" in last), done.stderr[
+        -2000:
+    ]
 
 
 # ---- errors, timeouts, cancel -------------------------------------------------------------------
 
+
 def test_a_raising_rank_is_named_with_its_traceback_and_peers_are_stopped():
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        launch(ranks.raise_on, 2, args=(1, "boom from the bad rank"), timeout_s=120,
-               device="cpu")
+        launch(ranks.raise_on, 2, args=(1, "boom from the bad rank"), timeout_s=120, device="cpu")
     elapsed = time.monotonic() - t0
     assert_no_ranks()
     err = info.value
@@ -187,7 +204,7 @@ def test_a_raising_rank_is_named_with_its_traceback_and_peers_are_stopped():
     assert "rank 1 of 2" in str(err)
     assert "ValueError: boom from the bad rank" in str(err)
     assert "ValueError: boom from the bad rank" in err.traceback
-    assert "raise_on" in err.traceback               # the rank's own frames, not the launcher's
+    assert "raise_on" in err.traceback  # the rank's own frames, not the launcher's
     # rank 0 was blocked in a barrier with a 120 s timeout: it had to be stopped, not awaited
     assert elapsed < ERROR_LATENCY_S, f"error took {elapsed:.1f} s to surface"
 
@@ -205,10 +222,13 @@ def test_a_notebook_function_raising_on_rank_0():
     assert "in broken" in info.value.traceback
 
 
-@pytest.mark.parametrize("how, expect", [
-    ("exit", "exited with code 7"),
-    ("kill", "SIGKILL"),
-])
+@pytest.mark.parametrize(
+    "how, expect",
+    [
+        ("exit", "exited with code 7"),
+        ("kill", "SIGKILL"),
+    ],
+)
 def test_a_rank_dying_outside_python_is_named(how, expect):
     def die(ctx, how):
         if ctx.rank == 1:
@@ -216,6 +236,7 @@ def test_a_rank_dying_outside_python_is_named(how, expect):
                 os._exit(7)
             os.kill(os.getpid(), signal.SIGKILL)
         import torch.distributed as dist
+
         dist.barrier()
         return ctx.rank
 
@@ -249,7 +270,7 @@ def test_a_hang_is_bounded_by_timeout_s_and_says_where():
     assert isinstance(err, TimeoutError)
     assert sorted(err.stacks) == [0, 1] and err.rank == 0
     assert "timeout_s" in str(err)
-    for stack in err.stacks.values():                # faulthandler dumps where each rank was
+    for stack in err.stacks.values():  # faulthandler dumps where each rank was
         assert "hang_forever" in stack
     assert "hang_forever" in str(err)
 
@@ -257,6 +278,7 @@ def test_a_hang_is_bounded_by_timeout_s_and_says_where():
 def test_a_collective_that_a_peer_never_joins_times_out_cleanly():
     def one_rank_waits(ctx):
         import torch.distributed as dist
+
         if ctx.rank == 0:
             dist.barrier()
         time.sleep(600)
@@ -282,6 +304,7 @@ def test_cancel_event_stops_every_rank():
 
 # ---- progress and back-to-back launches ---------------------------------------------------------
 
+
 def test_progress_streams_while_ranks_run(tmp_path):
     # Each rank reports, then waits for a file that only the caller's on_progress creates: if
     # reports were delivered at the end instead of live, the ranks would wait until timeout.
@@ -302,12 +325,15 @@ def test_progress_streams_while_ranks_run(tmp_path):
         ctx.report(step=1, loss=0.5)
         return "done"
 
-    out = launch(reports_then_waits, 2, args=(flag,), timeout_s=60, device="cpu",
-                 on_progress=on_progress)
+    out = launch(
+        reports_then_waits, 2, args=(flag,), timeout_s=60, device="cpu", on_progress=on_progress
+    )
     assert out == ["done", "done"]
     for rank in (0, 1):
-        assert [m for r, m in seen if r == rank] == [{"step": 0, "loss": 1.5},
-                                                     {"step": 1, "loss": 0.5}]
+        assert [m for r, m in seen if r == rank] == [
+            {"step": 0, "loss": 1.5},
+            {"step": 1, "loss": 0.5},
+        ]
 
 
 @pytest.mark.slow
@@ -347,7 +373,7 @@ def test_two_launches_at_once_from_threads():
     def run(tag):
         try:
             results[tag] = launch(ranks.whoami, 2, timeout_s=60, device="cpu")
-        except Exception as exc:                    # surfaced by the assertion below
+        except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(tag,)) for tag in ("a", "b")]
@@ -360,6 +386,7 @@ def test_two_launches_at_once_from_threads():
 
 
 # ---- bad input ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
 def test_world_size_must_be_a_whole_number_at_least_one(world_size):
@@ -414,15 +441,21 @@ def test_launch_needs_a_function():
 
 # ---- the caller interrupted or killed -----------------------------------------------------------
 
+
 def _start_driver(repo_root) -> tuple[subprocess.Popen, list[int]]:
     """Start tests.helpers.driver in its own session; return it and its 2 rank pids."""
-    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.driver"], cwd=repo_root,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.driver"],
+        cwd=repo_root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     pids = []
     deadline = time.monotonic() + 60
     while len(pids) < 2:
-        line = proc.stdout.readline()                # blocks; the driver flushes every line
+        line = proc.stdout.readline()  # blocks; the driver flushes every line
         if not line:
             proc.kill()
             raise AssertionError(f"driver ended before its ranks started: {proc.stderr.read()}")
@@ -436,7 +469,7 @@ def test_sigint_to_the_process_group_stops_every_rank(repo_root):
     # What a Jupyter interrupt or Ctrl-C in a terminal does: SIGINT to the whole group.
     proc, pids = _start_driver(repo_root)
     try:
-        time.sleep(0.3)                              # rank 0 is now inside its barrier
+        time.sleep(0.3)  # rank 0 is now inside its barrier
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=30)
@@ -457,11 +490,11 @@ def test_sigint_to_the_process_group_stops_every_rank(repo_root):
 def test_ranks_exit_by_themselves_when_the_caller_is_killed(repo_root):
     proc, pids = _start_driver(repo_root)
     try:
-        proc.kill()                                  # SIGKILL: no finally, no cleanup code runs
+        proc.kill()  # SIGKILL: no finally, no cleanup code runs
         proc.wait(10)
         left = wait_gone(pids, 10)
     finally:
-        for pid in pids:                             # never leave strays behind a failed test
+        for pid in pids:  # never leave strays behind a failed test
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         _kill_group(proc.pid)
@@ -478,11 +511,13 @@ def _kill_group(pgid: int) -> None:
 
 # ---- from a Jupyter kernel ----------------------------------------------------------------------
 
+
 @pytest.fixture
 def kernel(repo_root):
     """A fresh ipykernel in this venv (cwd: the repo), and a client to run cells in it."""
-    jupyter_client = pytest.importorskip("jupyter_client",
-                                         reason="jupyter_client is not installed here")
+    jupyter_client = pytest.importorskip(
+        "jupyter_client", reason="jupyter_client is not installed here"
+    )
     km = jupyter_client.KernelManager(kernel_name="python3")
     km.start_kernel(cwd=str(repo_root))
     kc = km.client()
@@ -512,26 +547,31 @@ def _run_cell(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
 def test_from_a_jupyter_kernel_launch_and_interrupt(kernel, tmp_path):
     km, kc = kernel
     # A function defined in a cell lives in the kernel's __main__: it can only go by value.
-    reply, out = _run_cell(kc, textwrap.dedent("""
+    reply, out = _run_cell(
+        kc,
+        textwrap.dedent("""
         import os, labkit
         def cell_fn(ctx, k):
             return (ctx.rank, ctx.world_size, k * (ctx.rank + 1), os.getppid() != KERNEL_PID)
         KERNEL_PID = os.getpid()
         print("RESULT", labkit.launch(cell_fn, 2, args=(5,), timeout_s=60, device="cpu"))
-    """))
+    """),
+    )
     assert reply["status"] == "ok", out
     assert "RESULT [(0, 2, 5, True), (1, 2, 10, True)]" in out
 
     # Interrupt a running launch the way the Jupyter UI does (SIGINT to the kernel's group).
     pid_file = tmp_path / "pids"
-    msg_id = kc.execute(textwrap.dedent(f"""
+    msg_id = kc.execute(
+        textwrap.dedent(f"""
         from tests.helpers.ranks import report_pid_then_block
         def write_pid(rank, metrics):
             with open({str(pid_file)!r}, "a") as f:
                 f.write(f"{{metrics['pid']}}\\n")
         labkit.launch(report_pid_then_block, 2, timeout_s=120, device="cpu",
                       on_progress=write_pid)
-    """))
+    """)
+    )
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and len(pid_file.read_text().split()) == 2):
         assert time.monotonic() < deadline, "ranks in the kernel never reported their pids"
@@ -550,11 +590,14 @@ def test_from_a_jupyter_kernel_launch_and_interrupt(kernel, tmp_path):
     assert wait_gone(pids, 5) == [], "ranks outlived the interrupted cell"
 
     # The kernel is still usable and holds no rank process; the next launch works.
-    reply, out = _run_cell(kc, textwrap.dedent("""
+    reply, out = _run_cell(
+        kc,
+        textwrap.dedent("""
         from tests.helpers.procs import live_ranks
         print("LEFT", len(live_ranks()))
         print("AGAIN", labkit.launch(cell_fn, 2, args=(1,), timeout_s=60, device="cpu"))
-    """))
+    """),
+    )
     assert reply["status"] == "ok", out
     assert "LEFT 0" in out
     assert "AGAIN [(0, 2, 1, True), (1, 2, 2, True)]" in out

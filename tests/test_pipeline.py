@@ -1,5 +1,6 @@
 """Model parallelism and pipelines: schedules and theory, equivalence with single-device
 training, the measured bubble against (P-1)/(M+P-1), stage balancing, and the CLI records."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,11 +17,22 @@ from labkit.experiment import run
 from labkit.models import even_bounds, make_model
 
 # A small model: equivalence runs are about arithmetic, not speed.
-SMALL = RunConfig(strategy="single", world_size=1, steps=3, warmup=1, global_batch=32,
-                  width=64, depth=4, dataset_size=256, deterministic=True, timeout_s=120)
+SMALL = RunConfig(
+    strategy="single",
+    world_size=1,
+    steps=3,
+    warmup=1,
+    global_batch=32,
+    width=64,
+    depth=4,
+    dataset_size=256,
+    deterministic=True,
+    timeout_s=120,
+)
 
 
 # ---- schedules and theory (no ranks) -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("schedule", timeline.SCHEDULES)
 @pytest.mark.parametrize("stages,microbatches", [(1, 3), (2, 1), (2, 4), (3, 2), (4, 8)])
@@ -44,8 +56,10 @@ def test_partition_minimises_the_slowest_stage():
     for _ in range(50):
         costs = [rng.uniform(0.1, 5) for _ in range(rng.randint(2, 8))]
         stages = rng.randint(1, len(costs))
-        best = min(max(timeline.stage_costs(costs, [0, *cut]))
-                   for cut in itertools.combinations(range(1, len(costs)), stages - 1))
+        best = min(
+            max(timeline.stage_costs(costs, [0, *cut]))
+            for cut in itertools.combinations(range(1, len(costs)), stages - 1)
+        )
         bounds = timeline.partition(costs, stages)
         assert len(bounds) == stages and bounds[0] == 0
         assert max(timeline.stage_costs(costs, bounds)) == pytest.approx(best)
@@ -53,22 +67,31 @@ def test_partition_minimises_the_slowest_stage():
 
 # ---- equivalence with single -------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def single_params():
     return run(SMALL).params
 
 
-@pytest.mark.parametrize("strategy,impl,stages,microbatches", [
-    ("model_parallel", "scratch", 2, 1),
-    ("pipeline_gpipe", "scratch", 2, 4),
-    ("pipeline_1f1b", "scratch", 2, 4),
-    ("pipeline_gpipe", "torch", 2, 4),
-    ("pipeline_1f1b", "torch", 2, 4),
-    ("pipeline_1f1b", "scratch", 3, 8),
-])
+@pytest.mark.parametrize(
+    "strategy,impl,stages,microbatches",
+    [
+        ("model_parallel", "scratch", 2, 1),
+        ("pipeline_gpipe", "scratch", 2, 4),
+        ("pipeline_1f1b", "scratch", 2, 4),
+        ("pipeline_gpipe", "torch", 2, 4),
+        ("pipeline_1f1b", "torch", 2, 4),
+        ("pipeline_1f1b", "scratch", 3, 8),
+    ],
+)
 def test_same_parameters_as_single(single_params, strategy, impl, stages, microbatches):
-    cfg = SMALL.replace(strategy=strategy, world_size=stages, stages=stages,
-                        microbatches=microbatches, pipeline_impl=impl)
+    cfg = SMALL.replace(
+        strategy=strategy,
+        world_size=stages,
+        stages=stages,
+        microbatches=microbatches,
+        pipeline_impl=impl,
+    )
     res = run(cfg)
     assert set(res.params) == set(single_params)
     diff = max((res.params[k] - v).abs().max().item() for k, v in single_params.items())
@@ -92,10 +115,18 @@ def test_same_parameters_as_single(single_params, strategy, impl, stages, microb
 
 
 def test_gpipe_holds_more_activation_bytes_than_1f1b():
-    cfg = SMALL.replace(strategy="pipeline_gpipe", world_size=2, stages=2, microbatches=8,
-                        deterministic=False, steps=2)
-    held = {s: run(cfg.replace(strategy=s)).records.query("stage == 0")["activation_bytes_peak"]
-            .max() for s in ("pipeline_gpipe", "pipeline_1f1b")}
+    cfg = SMALL.replace(
+        strategy="pipeline_gpipe",
+        world_size=2,
+        stages=2,
+        microbatches=8,
+        deterministic=False,
+        steps=2,
+    )
+    held = {
+        s: run(cfg.replace(strategy=s)).records.query("stage == 0")["activation_bytes_peak"].max()
+        for s in ("pipeline_gpipe", "pipeline_1f1b")
+    }
     # stage 0 holds all 8 micro-batches under GPipe and P=2 under 1F1B: 4x the bytes
     assert held["pipeline_gpipe"] == 4 * held["pipeline_1f1b"]
 
@@ -107,10 +138,12 @@ def test_gpipe_holds_more_activation_bytes_than_1f1b():
 # against 0.11 at M=8) and only the prediction, which simulates the schedule on each step's
 # measured stage times, hand-offs and dispatch, can be right. At width 1024 and batch 1024
 # compute dominates (depth 5 with a 32-wide input makes the two stages equal).
-DEFAULTS = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, steps=16, warmup=2,
-                     threads=1, timeout_s=180)
-WIDE = DEFAULTS.replace(steps=10, warmup=1, global_batch=1024, width=1024, depth=5,
-                        dataset_size=1024)
+DEFAULTS = RunConfig(
+    strategy="pipeline_gpipe", world_size=2, stages=2, steps=16, warmup=2, threads=1, timeout_s=180
+)
+WIDE = DEFAULTS.replace(
+    steps=10, warmup=1, global_batch=1024, width=1024, depth=5, dataset_size=1024
+)
 # Each record says what share of a core its rank got while it wanted one (compute_cpu_share);
 # a step counts only if every stage got at least 0.9. If other processes leave fewer than 2 such
 # steps, the measurement did not hold still and the test skips, saying so with the numbers (it
@@ -124,25 +157,31 @@ CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, 0.05
 @pytest.mark.parametrize("schedule", ["pipeline_gpipe", "pipeline_1f1b"])
 def test_predicted_bubble_matches_measured_at_p2(schedule, size):
     from labkit.experiment import bubble_error, step_bubbles
+
     base = DEFAULTS if size == "defaults" else WIDE
     measured, report = {}, {}
     for M in (1, 2, 4, 8):
         df = run(base.replace(strategy=schedule, microbatches=M)).records
         clean = step_bubbles(df, CLEAN_SHARE)
         predicted = step_bubbles(df, CLEAN_SHARE, column="bubble_predicted")
-        report[M] = {"theory": round(timeline.theory_bubble(2, M), 3), "clean steps": len(clean),
-                     "cpu share": round(float(df["compute_cpu_share"].median()), 2)}
+        report[M] = {
+            "theory": round(timeline.theory_bubble(2, M), 3),
+            "clean steps": len(clean),
+            "cpu share": round(float(df["compute_cpu_share"].median()), 2),
+        }
         if len(clean) < CLEAN_STEPS:
-            pytest.skip(f"ranks did not get a core each (other processes were running): "
-                        f"timings are not the pipeline's; measured {report}")
+            pytest.skip(
+                f"ranks did not get a core each (other processes were running): "
+                f"timings are not the pipeline's; measured {report}"
+            )
         measured[M] = report[M]["measured"] = round(float(clean.median()), 3)
         report[M]["predicted"] = round(float(predicted.median()), 3)
         report[M]["error"] = round(bubble_error(df, CLEAN_SHARE), 3)
     for M in measured:
         assert abs(report[M]["error"]) <= PREDICT_TOL, report
-    if size == "wide":                 # compute-bound: the closed form holds where it should
+    if size == "wide":  # compute-bound: the closed form holds where it should
         assert abs(measured[1] - 0.5) <= 0.05, report
-        assert measured[8] < measured[1], report       # micro-batching fills the pipeline
+        assert measured[8] < measured[1], report  # micro-batching fills the pipeline
 
 
 @pytest.mark.parametrize("impl", ["scratch", "torch"])
@@ -150,12 +189,20 @@ def test_predicted_bubble_matches_measured_at_p2(schedule, size):
 def test_every_rank_s_events_share_one_clock(impl, stages):
     # causality on one clock: no stage starts micro-batch m's forward before the previous stage
     # has finished it, nor its backward before the next stage has (the hand-off comes on top)
-    cfg = SMALL.replace(strategy="pipeline_1f1b", world_size=stages, stages=stages,
-                        microbatches=4, deterministic=False, pipeline_impl=impl, steps=4)
+    cfg = SMALL.replace(
+        strategy="pipeline_1f1b",
+        world_size=stages,
+        stages=stages,
+        microbatches=4,
+        deterministic=False,
+        pipeline_impl=impl,
+        steps=4,
+    )
     df = run(cfg).records
     for step, g in df.groupby("step"):
-        end = {(e["kind"], e["stage"], e["microbatch"]): e["end"]
-               for evs in g["events"] for e in evs}
+        end = {
+            (e["kind"], e["stage"], e["microbatch"]): e["end"] for evs in g["events"] for e in evs
+        }
         for evs in g["events"]:
             for e in evs:
                 s, m = e["stage"], e["microbatch"]
@@ -167,10 +214,23 @@ def test_every_rank_s_events_share_one_clock(impl, stages):
 
 # ---- stage balancing ---------------------------------------------------------------------------
 
+
 def test_balancing_evens_out_the_stages():
-    cfg = RunConfig(strategy="pipeline_1f1b", world_size=2, stages=2, microbatches=4, steps=8,
-                    warmup=1, model="unbalanced_mlp", width=512, depth=4, global_batch=256,
-                    dataset_size=512, threads=1, timeout_s=120)
+    cfg = RunConfig(
+        strategy="pipeline_1f1b",
+        world_size=2,
+        stages=2,
+        microbatches=4,
+        steps=8,
+        warmup=1,
+        model="unbalanced_mlp",
+        width=512,
+        depth=4,
+        global_batch=256,
+        dataset_size=512,
+        threads=1,
+        timeout_s=120,
+    )
     model = make_model(cfg)
     costs = timeline.layer_costs(model, torch.randn(cfg.global_batch // 4, cfg.in_features))
     balanced = timeline.partition(costs, 2)
@@ -178,7 +238,7 @@ def test_balancing_evens_out_the_stages():
     assert balanced != even
     assert max(timeline.stage_costs(costs, balanced)) < max(timeline.stage_costs(costs, even))
 
-    def imbalance(df):        # the busiest stage's compute over the idlest's (medians over steps)
+    def imbalance(df):  # the busiest stage's compute over the idlest's (medians over steps)
         per_stage = (df["forward_s"] + df["backward_s"]).groupby(df["rank"]).median()
         return per_stage.max() / per_stage.min()
 
@@ -191,12 +251,31 @@ def test_balancing_evens_out_the_stages():
 
 # ---- the command line --------------------------------------------------------------------------
 
+
 def test_cli_compare_records_carry_events_and_bubble(tmp_path):
     out = tmp_path / "pp.json"
-    cmd = [sys.executable, "-m", "labkit", "compare", "--strategies",
-           "model_parallel,pipeline_gpipe,pipeline_1f1b", "--stages", "2", "--microbatches", "4",
-           "--steps", "2", "--warmup", "1", "--width", "64", "--dataset-size", "256",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "labkit",
+        "compare",
+        "--strategies",
+        "model_parallel,pipeline_gpipe,pipeline_1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--width",
+        "64",
+        "--dataset-size",
+        "256",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = json.loads(out.read_text())["records"]
@@ -207,9 +286,26 @@ def test_cli_compare_records_carry_events_and_bubble(tmp_path):
 
 
 def test_cli_check_accepts_pipeline_strategies():
-    cmd = [sys.executable, "-m", "labkit", "check", "--strategies",
-           "model_parallel,pipeline_gpipe,pipeline_1f1b", "--stages", "2", "--microbatches", "4",
-           "--steps", "2", "--width", "64", "--dataset-size", "256", "--pipeline-impl", "torch"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "labkit",
+        "check",
+        "--strategies",
+        "model_parallel,pipeline_gpipe,pipeline_1f1b",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--steps",
+        "2",
+        "--width",
+        "64",
+        "--dataset-size",
+        "256",
+        "--pipeline-impl",
+        "torch",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "all strategies match single" in proc.stdout

@@ -1,4 +1,5 @@
 """StepProbe: phase times add up to the step, records are flat, probing is cheap."""
+
 from __future__ import annotations
 
 import math
@@ -9,10 +10,9 @@ import pytest
 import torch
 
 from labkit.models import mlp
-from labkit.probes import (PHASES, TIME_COLUMNS, StepProbe, grad_bytes, peak_memory,
-                           probe_overhead_s)
+from labkit.probes import PHASES, TIME_COLUMNS, StepProbe, grad_bytes, peak_memory, probe_overhead_s
 
-NAP_S = 0.01                                 # long enough to see, short enough to keep tests fast
+NAP_S = 0.01  # long enough to see, short enough to keep tests fast
 
 
 def _timed_step(probe: StepProbe, naps: dict[str, float], **finish) -> dict:
@@ -30,17 +30,22 @@ def test_phase_times_add_up_to_step_s_and_each_covers_its_work():
     phases = sum(rec[f"{p}_s"] for p in PHASES)
     assert math.isclose(phases, rec["step_s"], rel_tol=0, abs_tol=1e-6)
     for phase, nap in naps.items():
-        assert rec[f"{phase}_s"] >= nap          # sleep never returns early: a lower bound only
+        assert rec[f"{phase}_s"] >= nap  # sleep never returns early: a lower bound only
     assert rec["comm_s"] >= 0.0
 
 
 def test_record_is_one_flat_dict_with_the_documented_columns():
     probe = StepProbe("cpu", strategy="ddp", world_size=2, rank=1, device="cpu", global_batch=64)
     rec = _timed_step(probe, {}, comm_bytes=1024.0, microbatches=4)
-    assert {"strategy": "ddp", "world_size": 2, "rank": 1, "device": "cpu",
-            "global_batch": 64}.items() <= rec.items()
+    assert {
+        "strategy": "ddp",
+        "world_size": 2,
+        "rank": 1,
+        "device": "cpu",
+        "global_batch": 64,
+    }.items() <= rec.items()
     assert (rec["step"], rec["shard_loss"], rec["samples"]) == (3, 0.25, 64)
-    assert isinstance(rec["shard_loss"], float)      # a tensor loss is turned into a number
+    assert isinstance(rec["shard_loss"], float)  # a tensor loss is turned into a number
     assert rec["threads"] == torch.get_num_threads() and rec["start_s"] > 0
     assert set(TIME_COLUMNS) <= set(rec)
     assert rec["comm_bytes"] == 1024 and isinstance(rec["comm_bytes"], int)
@@ -66,7 +71,7 @@ def test_a_baseline_longer_than_backward_exposes_nothing():
 def test_a_repeated_phase_accumulates():
     probe = StepProbe("cpu")
     probe.start()
-    for _ in range(3):                           # e.g. one forward mark per micro-batch
+    for _ in range(3):  # e.g. one forward mark per micro-batch
         time.sleep(NAP_S)
         probe.mark("forward")
     rec = probe.finish(0, 0.0, 0)
@@ -102,19 +107,22 @@ def _spinning_step() -> dict:
     return probe.finish(0, 0.0, 1)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"),
-                    reason="run-queue times come from Linux schedstat")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"),
+    reason="run-queue times come from Linux schedstat",
+)
 def test_cpu_share_counts_waiting_for_a_core_not_waiting_for_peers():
     import subprocess
     import sys
+
     torch.set_num_threads(1)
     sleeping = _timed_step(StepProbe("cpu"), {"forward": 0.03, "backward": 0.03})
-    assert sleeping["compute_cpu_share"] > 0.9      # blocked (like a collective): not contention
+    assert sleeping["compute_cpu_share"] > 0.9  # blocked (like a collective): not contention
     core = {min(os.sched_getaffinity(0))}
     mine = os.sched_getaffinity(0)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        os.sched_setaffinity(0, core)                # three spinning threads on one core
+        os.sched_setaffinity(0, core)  # three spinning threads on one core
         for p in spinners:
             os.sched_setaffinity(p.pid, core)
         time.sleep(0.2)
@@ -129,7 +137,7 @@ def test_cpu_share_counts_waiting_for_a_core_not_waiting_for_peers():
 
 def test_peak_memory_on_cpu_is_the_resident_high_water_mark():
     before = peak_memory(torch.device("cpu"))
-    block = torch.ones(64 * 2**20, dtype=torch.uint8)   # touch 64 MiB
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # touch 64 MiB
     block.add_(1)
     assert peak_memory("cpu") >= before and peak_memory("cpu") >= 64 * 2**20
     del block
@@ -138,15 +146,17 @@ def test_peak_memory_on_cpu_is_the_resident_high_water_mark():
 def test_grad_bytes_counts_trainable_parameters_once():
     model = mlp(8, 16, 2, 4)
     n = sum(p.numel() for p in model.parameters())
-    assert grad_bytes(model) == 4 * n                    # float32
+    assert grad_bytes(model) == 4 * n  # float32
     model[0].requires_grad_(False)
     frozen = sum(p.numel() for p in model[0].parameters())
     assert grad_bytes(model) == 4 * (n - frozen)
     assert grad_bytes(model.to(torch.float64)) == 8 * (n - frozen)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-event timing needs a GPU; this "
-                    "machine has none (the CPU path is tested above)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA-event timing needs a GPU; this machine has none (the CPU path is tested above)",
+)
 def test_cuda_phase_times_add_up():
     probe = StepProbe(torch.device("cuda", 0))
     x = torch.randn(1024, 1024, device="cuda")

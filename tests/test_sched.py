@@ -1,5 +1,6 @@
 """The scheduling lab: every policy on tiny hand-computed traces (exact JCTs), the trace format's
 errors, determinism by seed, the CLI's argument checks and the real replay on a 3-job trace."""
+
 from __future__ import annotations
 
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 from labkit.sched import sim, traces
 from labkit.sched.jobs import PRESETS, Curve, Job
 
-LINEAR = PRESETS["linear"]                      # throughput = workers (samples/s)
+LINEAR = PRESETS["linear"]  # throughput = workers (samples/s)
 
 
 def job(jid, arrival, gpus, duration, priority=0, curve=LINEAR, **kw):
@@ -32,7 +33,7 @@ ABC = [job(0, 0, 2, 10), job(1, 1, 1, 5), job(2, 2, 1, 3)]
 
 def test_fifo_runs_in_arrival_order():
     got, res = run(ABC, "1x2", "fifo")
-    assert got == {0: 10, 1: 14, 2: 11}          # B and C start when A frees its GPUs at 10
+    assert got == {0: 10, 1: 14, 2: 11}  # B and C start when A frees its GPUs at 10
     assert res.metrics()["restarts_per_job"] == 0
     assert res.metrics()["mean_queue_s"] == pytest.approx((0 + 9 + 8) / 3)
 
@@ -70,14 +71,14 @@ def test_maxmin_and_ftf_time_share_by_rounds():
 
 
 def test_elastic_gives_spare_gpus_to_the_largest_gain():
-    curve = Curve("sub", ((1, 1.0), (2, 1.5), (4, 2.0)))       # gains 0.5, 0.25, 0.25
+    curve = Curve("sub", ((1, 1.0), (2, 1.5), (4, 2.0)))  # gains 0.5, 0.25, 0.25
     jobs = [job(0, 0, 1, 10, curve=curve), job(1, 0, 1, 10, curve=curve)]
     got, res = run(jobs, "1x4", "elastic", round_s=5)
     # 0-5 one worker each (5 of 10 done); round 5: the two spare GPUs, one each -> 1.5/s
     assert got == {0: pytest.approx(5 + 5 / 1.5), 1: pytest.approx(5 + 5 / 1.5)}
-    assert [j.restarts for j in res.jobs] == [1, 1]              # a resize is a restart
+    assert [j.restarts for j in res.jobs] == [1, 1]  # a resize is a restart
     alone, _ = run(jobs[:1], "1x4", "elastic", round_s=5)
-    assert alone == {0: 7.5}                                      # grows to 4 workers: 2/s
+    assert alone == {0: 7.5}  # grows to 4 workers: 2/s
 
 
 def test_spread_placement_pays_the_interconnect_penalty():
@@ -93,21 +94,29 @@ def test_startup_cost_and_gantt():
     got, res = run(jobs, "1x1", "fifo")
     assert got == {0: 5, 1: 7}
     assert [(g["job_id"], g["start_s"], g["end_s"], g["ready_s"]) for g in res.gantt] == [
-        (0, 0, 5, 1.0), (1, 5, 7, 5)]
+        (0, 0, 5, 1.0),
+        (1, 5, 7, 5),
+    ]
     m = res.metrics()
     assert m["makespan_s"] == 7 and m["utilisation"] == 1.0 and m["gpu_hours"] == 7 / 3600
 
 
 def test_every_policy_finishes_every_job_and_is_deterministic():
-    jobs = traces.generate(200, rate_per_hour=traces.rate_for_load(1.0, 32), seed=3,
-                           high_priority=0.2, curves=("good", "poor"))
+    jobs = traces.generate(
+        200,
+        rate_per_hour=traces.rate_for_load(1.0, 32),
+        seed=3,
+        high_priority=0.2,
+        curves=("good", "poor"),
+    )
     from labkit.sched.policies import POLICIES
+
     for p in POLICIES:
         first, again = sim.simulate(jobs, "4x8", p), sim.simulate(jobs, "4x8", p)
         a = first.metrics()
         assert a == again.metrics() and a["jobs"] == 200, p
         busy = sum(g["gpus"] * (g["end_s"] - g["start_s"]) for g in first.gantt)
-        assert busy / 3600 == pytest.approx(a["gpu_hours"]), p       # the Gantt accounts for all
+        assert busy / 3600 == pytest.approx(a["gpu_hours"]), p  # the Gantt accounts for all
 
 
 def test_generator_is_seeded_and_follows_the_mix():
@@ -118,31 +127,41 @@ def test_generator_is_seeded_and_follows_the_mix():
     share = {g: sum(j.gpus == g for j in jobs) / len(jobs) for g in (1, 2, 4, 8)}
     assert share[1] == pytest.approx(0.70, abs=0.03) and share[8] == pytest.approx(0.05, abs=0.02)
     gaps = [b.arrival_s - a.arrival_s for a, b in zip(jobs, jobs[1:])]
-    assert sum(gaps) / len(gaps) == pytest.approx(3600 / 30, rel=0.08)   # 30 per hour
+    assert sum(gaps) / len(gaps) == pytest.approx(3600 / 30, rel=0.08)  # 30 per hour
     d = sorted(j.duration_alone_s for j in jobs)
-    assert d[-1] / d[len(d) // 2] > 20                             # a heavy tail
+    assert d[-1] / d[len(d) // 2] > 20  # a heavy tail
 
 
 def test_csv_round_trip():
     jobs = traces.generate(20, seed=2, high_priority=0.5, curves=("good", "poor"))
     back = traces.parse_csv(traces.to_csv(jobs))
     assert [(j.job_id, j.gpus, j.priority, j.curve.name) for j in back] == [
-        (j.job_id, j.gpus, j.priority, j.curve.name) for j in jobs]
+        (j.job_id, j.gpus, j.priority, j.curve.name) for j in jobs
+    ]
     assert [j.work for j in back] == pytest.approx([j.work for j in jobs], rel=1e-6)
 
 
 HEADER = "job_id,arrival_s,gpus,priority,duration_s,curve\n"
 
 
-@pytest.mark.parametrize("body, message", [
-    ("0,0,1,0,10,good\n1,5,two,0,10,good\n", "line 3, column gpus: 'two' is not a whole number"),
-    ("0,0,1,0,10,good\n1,5,1,0,-3,good\n", "line 3, column duration_s: '-3' must be > 0"),
-    ("0,0,1,0,10,good\n0,5,1,0,3,good\n", "line 3, column job_id: '0' repeats the id of line 2"),
-    ("0,0,1,0,10,nope\n", "line 2, column curve: 'nope' is not a known curve"),
-    ("0,0,0,0,10,good\n", "line 2, column gpus: '0' must be >= 1"),
-    ("0,x,1,0,10,good\n", "line 2, column arrival_s: 'x' is not a number"),
-    ("0,0,1,0\n", "line 2: 4 values for 6 columns"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "0,0,1,0,10,good\n1,5,two,0,10,good\n",
+            "line 3, column gpus: 'two' is not a whole number",
+        ),
+        ("0,0,1,0,10,good\n1,5,1,0,-3,good\n", "line 3, column duration_s: '-3' must be > 0"),
+        (
+            "0,0,1,0,10,good\n0,5,1,0,3,good\n",
+            "line 3, column job_id: '0' repeats the id of line 2",
+        ),
+        ("0,0,1,0,10,nope\n", "line 2, column curve: 'nope' is not a known curve"),
+        ("0,0,0,0,10,good\n", "line 2, column gpus: '0' must be >= 1"),
+        ("0,x,1,0,10,good\n", "line 2, column arrival_s: 'x' is not a number"),
+        ("0,0,1,0\n", "line 2: 4 values for 6 columns"),
+    ],
+)
 def test_csv_errors_name_row_and_column(body, message):
     with pytest.raises(ValueError) as err:
         traces.parse_csv(HEADER + body)
@@ -175,20 +194,24 @@ def cli(capsys):
         capsys.readouterr()
         code = main(["schedule", *args])
         return Out(code, capsys.readouterr())
+
     return call
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--generate", "50", "--cluster", "4y8"], "--cluster"),
-    (["--generate", "0"], "--generate"),
-    (["--generate", "50", "--policy", "fifo,lifo"], "--policy"),
-    (["--generate", "50", "--policy", ""], "--policy"),
-    (["--generate", "50", "--load", "-1"], "--load"),
-    (["--trace", "/nonexistent/t.csv"], "--trace"),
-    (["--generate", "50", "--json", "/nonexistent/x.json"], "--json"),
-    (["--generate", "50", "--cluster", "1x4"], "--cluster"),          # 8-GPU jobs cannot fit
-    (["--generate", "5", "--replay", "--cluster", "4x8"], "--replay"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--generate", "50", "--cluster", "4y8"], "--cluster"),
+        (["--generate", "0"], "--generate"),
+        (["--generate", "50", "--policy", "fifo,lifo"], "--policy"),
+        (["--generate", "50", "--policy", ""], "--policy"),
+        (["--generate", "50", "--load", "-1"], "--load"),
+        (["--trace", "/nonexistent/t.csv"], "--trace"),
+        (["--generate", "50", "--json", "/nonexistent/x.json"], "--json"),
+        (["--generate", "50", "--cluster", "1x4"], "--cluster"),  # 8-GPU jobs cannot fit
+        (["--generate", "5", "--replay", "--cluster", "4x8"], "--replay"),
+    ],
+)
 def test_cli_errors_name_the_flag(cli, args, flag):
     out = cli(*args)
     assert out.returncode == 2, out.stdout + out.stderr
@@ -198,28 +221,54 @@ def test_cli_errors_name_the_flag(cli, args, flag):
 def test_cli_prints_a_table_per_policy(tmp_path):
     trace = tmp_path / "t.csv"
     traces.to_csv(traces.generate(40, seed=1, rate_per_hour=3), str(trace))
-    out = subprocess.run([sys.executable, "-m", "labkit", "schedule","--trace", str(trace), "--cluster", "2x8", "--policy", "fifo,las,elastic",
-              "--json", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "labkit",
+            "schedule",
+            "--trace",
+            str(trace),
+            "--cluster",
+            "2x8",
+            "--policy",
+            "fifo,las,elastic",
+            "--json",
+            str(tmp_path / "m.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     for p in ("fifo", "las", "elastic"):
         assert p in out.stdout
     assert "mean JCT" in out.stdout
     import json
+
     rows = json.loads((tmp_path / "m.json").read_text())["metrics"]
     assert [r["policy"] for r in rows] == ["fifo", "las", "elastic"]
 
 
 def _children() -> set:
     import psutil
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline())}
+
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline())
+    }
 
 
 def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process():
     from labkit.sched import replay
-    cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)   # for the simulator
-    trace = [replay.ReplayJob(0, 0.0, 1, 80), replay.ReplayJob(1, 1.0, 2, 12, priority=1),
-             replay.ReplayJob(2, 1.2, 1, 10)]
+
+    cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)  # for the simulator
+    trace = [
+        replay.ReplayJob(0, 0.0, 1, 80),
+        replay.ReplayJob(1, 1.0, 2, 12, priority=1),
+        replay.ReplayJob(2, 1.2, 1, 10),
+    ]
     before = _children()
     report = replay.check(trace, ["priority"], calibration=cal)
     jobs = report.real["priority"][0]
@@ -234,7 +283,8 @@ def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process():
 
 def test_replay_resizes_an_elastic_job_for_real():
     from labkit.sched import replay
-    cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)   # 2 workers gain 0.5
+
+    cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)  # 2 workers gain 0.5
     trace = [replay.ReplayJob(0, 0.0, 1, 120), replay.ReplayJob(1, 1.5, 1, 10)]
     before = _children()
     jobs, gantt = replay.execute(trace, "elastic", cal, round_s=1.0)
@@ -248,20 +298,36 @@ def test_replay_resizes_an_elastic_job_for_real():
 
 def test_replay_checks_its_input_before_running():
     from labkit.sched import replay
+
     with pytest.raises(ValueError, match="3 to 12 jobs"):
         replay.small_trace(2)
     with pytest.raises(ValueError, match="unknown policy"):
-        replay.check(3, ["fifo", "nope"], calibration=replay.Calibration({1: 1.0, 2: 1.5},
-                                                                         {1: 0.1, 2: 0.1}, 0.0))
+        replay.check(
+            3,
+            ["fifo", "nope"],
+            calibration=replay.Calibration({1: 1.0, 2: 1.5}, {1: 0.1, 2: 0.1}, 0.0),
+        )
 
 
 def test_speed_benchmark_quick(tmp_path):
-    out = subprocess.run([sys.executable, "benchmarks/sched_speed.py", "--quick", "--json",
-                          str(tmp_path / "b.json")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/sched_speed.py",
+            "--quick",
+            "--json",
+            str(tmp_path / "b.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert lines[-1].startswith("slowest policy / goal ratio: ")
     import json
+
     times = json.loads((tmp_path / "b.json").read_text())["times_s"]
     from labkit.sched.policies import POLICIES
+
     assert set(times) == set(POLICIES)

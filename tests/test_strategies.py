@@ -1,4 +1,5 @@
 """Data-parallel strategies on real 2-rank gloo groups: equal to single, measured, summarised."""
+
 import math
 
 import pandas as pd
@@ -33,20 +34,35 @@ def test_records_carry_the_contract_and_phases_add_up():
     df = res.records
     assert sorted(df["rank"].unique()) == [0, 1]
     assert sorted(df["step"].unique()) == list(range(SMALL.steps))
-    for col in ("strategy", "world_size", "rank", "step", "device", "loss", "shard_loss",
-                "samples", "threads", "start_s", "compute_cpu_share", "peak_mem_bytes",
-                "comm_bytes", *TIME_COLUMNS):
+    for col in (
+        "strategy",
+        "world_size",
+        "rank",
+        "step",
+        "device",
+        "loss",
+        "shard_loss",
+        "samples",
+        "threads",
+        "start_s",
+        "compute_cpu_share",
+        "peak_mem_bytes",
+        "comm_bytes",
+        *TIME_COLUMNS,
+    ):
         assert col in df, col
     phases = df[[c for c in TIME_COLUMNS if c != "step_s"]].sum(axis=1)
     assert ((phases - df["step_s"]).abs() <= 1e-4 + 0.02 * df["step_s"]).all()
     assert (df["samples"] == SMALL.global_batch // 2).all()
-    n_params = sum(p.numel() for p in nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64),
-                                                    nn.Linear(64, 10)).parameters())
-    assert (df["comm_bytes"] == 4 * n_params).all()          # fp32 gradients, once per step
+    n_params = sum(
+        p.numel()
+        for p in nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)).parameters()
+    )
+    assert (df["comm_bytes"] == 4 * n_params).all()  # fp32 gradients, once per step
 
 
 def test_user_model_and_dataset_factories_run_under_ddp():
-    def my_model(cfg):                          # defined here: travels to the ranks by value
+    def my_model(cfg):  # defined here: travels to the ranks by value
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
 
     def my_data(cfg):
@@ -55,8 +71,9 @@ def test_user_model_and_dataset_factories_run_under_ddp():
     cfg = SMALL.replace(strategy="ddp", deterministic=True)
     res = experiment.run(cfg, model_fn=my_model, data_fn=my_data)
     assert set(res.params) == {"0.weight", "0.bias", "2.weight", "2.bias"}
-    ref = experiment.run(cfg.replace(strategy="single", world_size=1), model_fn=my_model,
-                         data_fn=my_data)
+    ref = experiment.run(
+        cfg.replace(strategy="single", world_size=1), model_fn=my_model, data_fn=my_data
+    )
     assert max((res.params[k] - ref.params[k]).abs().max().item() for k in ref.params) < 1e-5
 
 
@@ -70,6 +87,7 @@ def test_dp_on_cpu_says_it_uses_one_device():
 def test_oversubscribed_runs_are_flagged():
     res = experiment.run(SMALL.replace(strategy="ddp", world_size=4, steps=2))
     from labkit.env import cpu_cores
+
     assert res.records["oversubscribed"].all() == (4 > cpu_cores())
     if 4 > cpu_cores():
         assert any("time-share" in n for n in res.notes)
@@ -80,21 +98,32 @@ def test_summarize_computes_aggregates_from_records():
     runs = [("single", 1, 2, 0.10), ("single", 1, 1, 0.16), ("ddp", 2, 1, 0.08)]
     for strategy, ws, threads, step_s in runs:
         for rank in range(ws):
-            for step in range(3):                 # rank 1 is the straggler: it gates the step
-                rows.append({"strategy": strategy, "world_size": ws, "threads": threads,
-                             "rank": rank, "step": step, "step_s": step_s + 0.02 * rank,
-                             "comm_s": 0.01 * ws, "global_batch": 64, "loss": 1.0 + step,
-                             "peak_mem_bytes": 2**20, "compute_cpu_share": 0.2 + 0.35 * ws})
+            for step in range(3):  # rank 1 is the straggler: it gates the step
+                rows.append(
+                    {
+                        "strategy": strategy,
+                        "world_size": ws,
+                        "threads": threads,
+                        "rank": rank,
+                        "step": step,
+                        "step_s": step_s + 0.02 * rank,
+                        "comm_s": 0.01 * ws,
+                        "global_batch": 64,
+                        "loss": 1.0 + step,
+                        "peak_mem_bytes": 2**20,
+                        "compute_cpu_share": 0.2 + 0.35 * ws,
+                    }
+                )
     table = experiment.summarize(pd.DataFrame(rows)).set_index("run")
     assert list(table.index) == ["single (2 threads)", "single (1 thread)", "ddp@2"]
     assert table.loc["single (2 threads)", "samples_per_s"] == pytest.approx(640)
-    assert table.loc["ddp@2", "step_ms"] == pytest.approx(100)            # max over ranks
+    assert table.loc["ddp@2", "step_ms"] == pytest.approx(100)  # max over ranks
     assert table.loc["ddp@2", "speedup_all_cores"] == pytest.approx(1.0)  # vs single, 2 threads
     assert table.loc["ddp@2", "speedup_same_cores"] == pytest.approx(1.6)  # vs single, 1 thread
     assert table.loc["ddp@2", "efficiency"] == pytest.approx(0.8)
     assert table.loc["ddp@2", "comm_share"] == pytest.approx(0.2)
-    assert table.loc["ddp@2", "loss"] == 3.0                              # the last step's
-    assert table["busy"].tolist() == [True, True, False]                  # cpu share 0.55 < 0.6
+    assert table.loc["ddp@2", "loss"] == 3.0  # the last step's
+    assert table["busy"].tolist() == [True, True, False]  # cpu share 0.55 < 0.6
 
 
 def test_ddp_per_step_loss_is_the_global_batch_loss():
@@ -103,21 +132,22 @@ def test_ddp_per_step_loss_is_the_global_batch_loss():
     ddp = experiment.run(cfg.replace(strategy="ddp", world_size=2)).records
     ref = single.set_index("step")["loss"]
     got = ddp.groupby("step")["loss"].agg(["min", "max"])
-    assert (got["max"] - got["min"]).max() == 0.0            # every rank's record: one number
+    assert (got["max"] - got["min"]).max() == 0.0  # every rank's record: one number
     assert (got["min"] - ref).abs().max() <= 1e-5, (got, ref)
     shards = ddp.pivot(index="step", columns="rank", values="shard_loss")
-    assert (shards[0] - shards[1]).abs().max() > 1e-3        # the ranks' own losses differ
+    assert (shards[0] - shards[1]).abs().max() > 1e-3  # the ranks' own losses differ
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_naive"])
 def test_world_size_1_claims_no_communication(strategy):
     df = experiment.run(SMALL.replace(strategy=strategy, world_size=1)).records
     assert (df["comm_s"] == 0).all()
-    assert (df["sync_overhead_s"] > 0).any()      # DDP's reducer, a one-rank all-reduce
+    assert (df["sync_overhead_s"] > 0).any()  # DDP's reducer, a one-rank all-reduce
 
 
 def test_grid_adds_single_on_one_ranks_share_of_the_cores():
     from labkit.env import cpu_cores
+
     if torch.cuda.is_available() or cpu_cores() < 2:
         pytest.skip("the rank-share baseline is a CPU idea and needs 2+ cores")
     configs = experiment.grid(SMALL, ["single", "ddp"], [1, 2])
@@ -127,8 +157,11 @@ def test_grid_adds_single_on_one_ranks_share_of_the_cores():
 
 def test_grid_and_bad_input():
     configs = experiment.grid(SMALL, ["single", "ddp"], [1, 2])
-    assert [(c.strategy, c.world_size) for c in configs if c.threads is None] == \
-        [("single", 1), ("ddp", 1), ("ddp", 2)]
+    assert [(c.strategy, c.world_size) for c in configs if c.threads is None] == [
+        ("single", 1),
+        ("ddp", 1),
+        ("ddp", 2),
+    ]
     with pytest.raises(ValueError, match="unknown strategy 'horovod'"):
         experiment.grid(SMALL, ["horovod"], [2])
     with pytest.raises(ValueError, match="not divisible by world size 3"):
@@ -141,9 +174,11 @@ def test_a_busy_machine_is_flagged_instead_of_reported_as_speed():
     import sys
 
     from labkit.env import cpu_cores
+
     # two spinning processes per core: each rank gets about a third of a core while computing
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(2 * cpu_cores())]
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cpu_cores())
+    ]
     try:
         df = experiment.run(SMALL.replace(strategy="ddp", width=256, steps=8)).records
     finally:

@@ -3,6 +3,7 @@ same parameters right after an averaging round (and not between rounds), DiLoCo'
 a hand-computed example, the parameter server's staleness bookkeeping on a scripted schedule and
 over real messages, Hogwild's updates landing in the one shared model, the straggler, and the
 to-target reading on synthetic records. Speed claims live in benchmarks/sync_async.py."""
+
 from __future__ import annotations
 
 import glob
@@ -16,8 +17,16 @@ from labkit import RunConfig, experiment, sync_async
 from labkit.strategies import diloco, hogwild
 from labkit.strategies.async_ps import ParameterServer
 
-BASE = RunConfig(world_size=2, steps=6, warmup=0, global_batch=32, width=32, depth=1,
-                 dataset_size=512, timeout_s=60)
+BASE = RunConfig(
+    world_size=2,
+    steps=6,
+    warmup=0,
+    global_batch=32,
+    width=32,
+    depth=1,
+    dataset_size=512,
+    timeout_s=60,
+)
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -27,16 +36,20 @@ def max_diff(a: dict, b: dict) -> float:
 
 # ---- configuration ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(strategy="local_sgd", period=0), "period must be at least 1"),
-    (dict(strategy="diloco", outer_lr=0), "outer_lr must be positive"),
-    (dict(strategy="diloco", outer_momentum=1.0), r"outer_momentum must be in \[0, 1\)"),
-    (dict(strategy="async_ps", world_size=1), "set world_size to 2 or more"),
-    (dict(strategy="async_ps", world_size=3, slowdown="0:2"), "slow down a worker instead"),
-    (dict(strategy="hogwild", accumulate=2, global_batch=32), "accumulate=1"),
-    (dict(strategy="local_sgd", skew=0.5), "set strategy='ddp_naive'"),
-    (dict(strategy="async_ps", world_size=3, global_batch=33), "divisible by 2 workers"),
-])
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(strategy="local_sgd", period=0), "period must be at least 1"),
+        (dict(strategy="diloco", outer_lr=0), "outer_lr must be positive"),
+        (dict(strategy="diloco", outer_momentum=1.0), r"outer_momentum must be in \[0, 1\)"),
+        (dict(strategy="async_ps", world_size=1), "set world_size to 2 or more"),
+        (dict(strategy="async_ps", world_size=3, slowdown="0:2"), "slow down a worker instead"),
+        (dict(strategy="hogwild", accumulate=2, global_batch=32), "accumulate=1"),
+        (dict(strategy="local_sgd", skew=0.5), "set strategy='ddp_naive'"),
+        (dict(strategy="async_ps", world_size=3, global_batch=33), "divisible by 2 workers"),
+    ],
+)
 def test_config_errors_name_the_fix(changes, match):
     with pytest.raises(ValueError, match=match):
         BASE.replace(**changes)
@@ -48,11 +61,17 @@ def test_straggler_is_allowed_on_the_labs_modes_and_async_ps_batches_per_worker(
     ps = BASE.replace(strategy="async_ps", world_size=3, global_batch=64)
     assert ps.data_ranks == 2 and ps.batch_per_rank == 32
     labels = [experiment.config_label(c) for c in sync_async.sweep(BASE, straggler=3)]
-    assert labels == ["ddp@2 slow 1:3", "local_sgd@2 H=4, slow 1:3", "diloco@2 H=4, slow 1:3",
-                      "async_ps@3 slow 1:3", "hogwild@2 slow 1:3"]
+    assert labels == [
+        "ddp@2 slow 1:3",
+        "local_sgd@2 H=4, slow 1:3",
+        "diloco@2 H=4, slow 1:3",
+        "async_ps@3 slow 1:3",
+        "hogwild@2 slow 1:3",
+    ]
 
 
 # ---- local SGD -------------------------------------------------------------------------------
+
 
 def test_local_sgd_with_period_1_equals_ddp(no_leftover_ranks):
     cfg = BASE.replace(deterministic=True)
@@ -64,10 +83,10 @@ def test_local_sgd_with_period_1_equals_ddp(no_leftover_ranks):
 
 def test_ranks_agree_right_after_an_averaging_round_and_drift_between(no_leftover_ranks):
     cfg = BASE.replace(strategy="local_sgd", period=3, deterministic=True)
-    after = experiment.run(cfg.replace(steps=6))              # rounds after steps 3 and 6
+    after = experiment.run(cfg.replace(steps=6))  # rounds after steps 3 and 6
     a, b = (r["params"] for r in after.results)
     assert max_diff(a, b) == 0.0
-    mid = experiment.run(cfg.replace(steps=4))                # one local step past a round
+    mid = experiment.run(cfg.replace(steps=4))  # one local step past a round
     a, b = (r["params"] for r in mid.results)
     assert max_diff(a, b) > 1e-6
     recs = after.records[after.records["rank"] == 0]
@@ -84,6 +103,7 @@ def test_diloco_ranks_agree_after_a_round(no_leftover_ranks):
 
 # ---- DiLoCo's outer step ---------------------------------------------------------------------
 
+
 def test_diloco_outer_step_by_hand():
     theta = [torch.tensor([1.0, 2.0])]
     local = [torch.tensor([0.5, 2.5])]
@@ -92,8 +112,8 @@ def test_diloco_outer_step_by_hand():
     # delta = theta - local = [0.5, -0.5]; momentum buffer = delta; Nesterov: delta + 0.9 * buf
     # = 1.9 delta; theta -= 0.7 * 1.9 * delta
     assert torch.allclose(theta[0], torch.tensor([0.335, 2.665]))
-    assert torch.equal(local[0], theta[0])                  # every rank restarts from theta
-    local[0].copy_(torch.tensor([0.235, 2.665]))           # delta = [0.1, 0]
+    assert torch.equal(local[0], theta[0])  # every rank restarts from theta
+    local[0].copy_(torch.tensor([0.235, 2.665]))  # delta = [0.1, 0]
     diloco.outer_step(theta, local, outer)
     # buf = 0.9 [0.5, -0.5] + [0.1, 0] = [0.55, -0.45]; step = [0.1, 0] + 0.9 buf = [0.595, -0.405]
     assert torch.allclose(theta[0], torch.tensor([0.335 - 0.7 * 0.595, 2.665 + 0.7 * 0.405]))
@@ -104,15 +124,17 @@ def test_diloco_outer_step_averages_the_delta_over_ranks():
     outer = diloco.outer_optimizer(theta, lr=1.0, momentum=0.0)
     seen = []
 
-    def average(t):                          # as if the other rank's delta were [-3, -3]
+    def average(t):  # as if the other rank's delta were [-3, -3]
         seen.append(t.clone())
         t.copy_((t + torch.tensor([-3.0, -3.0])) / 2)
+
     diloco.outer_step(theta, local, outer, average)
     assert torch.equal(seen[0], torch.tensor([-1.0, -1.0]))
     assert torch.equal(theta[0], torch.tensor([2.0, 2.0]))  # outer lr 1, no momentum: the mean
 
 
 # ---- the parameter server --------------------------------------------------------------------
+
 
 def sgd(params, lr=0.1):
     return torch.optim.SGD(params, lr=lr)
@@ -122,14 +144,14 @@ def sgd(params, lr=0.1):
 def test_parameter_server_bookkeeping_on_a_scripted_schedule(staleness_lr):
     ps = ParameterServer(torch.zeros(2), sgd, staleness_lr=staleness_lr)
     g = torch.ones(2)
-    _, va = ps.pull()                        # worker A and B both pull version 0
+    _, va = ps.pull()  # worker A and B both pull version 0
     _, vb = ps.pull()
-    _, vc = ps.pull()                        # and C
-    assert ps.push("A", g, va) == 0          # -> version 1
-    assert ps.push("B", g, vb) == 1          # computed on 0, applied at 1 -> version 2
-    _, va = ps.pull()                        # A pulls version 2
-    assert ps.push("C", g, vc) == 2          # -> version 3
-    assert ps.push("A", g, va) == 1          # -> version 4
+    _, vc = ps.pull()  # and C
+    assert ps.push("A", g, va) == 0  # -> version 1
+    assert ps.push("B", g, vb) == 1  # computed on 0, applied at 1 -> version 2
+    _, va = ps.pull()  # A pulls version 2
+    assert ps.push("C", g, vc) == 2  # -> version 3
+    assert ps.push("A", g, va) == 1  # -> version 4
     assert [r["staleness"] for r in ps.log] == [0, 1, 2, 1]
     assert [r["worker"] for r in ps.log] == ["A", "B", "C", "A"] and ps.version == 4
     scales = [1, 1, 0.5, 1] if staleness_lr else [1, 1, 1, 1]
@@ -140,11 +162,12 @@ def test_parameter_server_bookkeeping_on_a_scripted_schedule(staleness_lr):
 
 
 def test_async_ps_over_gloo_records_every_update_and_stops_cleanly(no_leftover_ranks):
-    cfg = BASE.replace(strategy="async_ps", world_size=3, steps=8, warmup=1, staleness_lr=True,
-                       global_batch=32)
+    cfg = BASE.replace(
+        strategy="async_ps", world_size=3, steps=8, warmup=1, staleness_lr=True, global_batch=32
+    )
     res = experiment.run(cfg)
     server = res.records[res.records["role"] == "server"]
-    assert server["step"].tolist() == list(range(16))      # workers x steps measured updates
+    assert server["step"].tolist() == list(range(16))  # workers x steps measured updates
     assert set(server["worker"]) == {1, 2}
     assert (server["staleness"] >= 0).all() and server["staleness"].max() <= 16
     scale = 1.0 / server["staleness"].clip(lower=1)
@@ -167,14 +190,15 @@ def test_one_worker_parameter_server_is_synchronous_sgd(no_leftover_ranks):
 
 # ---- Hogwild ---------------------------------------------------------------------------------
 
+
 def test_hogwild_views_share_one_buffer(tmp_path):
     path = str(tmp_path / "flat.bin")
     open(path, "wb").truncate(4 * 10)
     a, b = hogwild.shared_buffer(path, 10), hogwild.shared_buffer(path, 10)
-    model = torch.nn.Linear(2, 2)                           # 6 parameters
+    model = torch.nn.Linear(2, 2)  # 6 parameters
     hogwild.share_parameters(model, a[:6])
     with torch.no_grad():
-        model.weight.add_(1.0)                              # an optimizer step, in place
+        model.weight.add_(1.0)  # an optimizer step, in place
     assert torch.equal(b[:4], model.weight.detach().reshape(-1))
 
 
@@ -183,18 +207,19 @@ def test_hogwild_updates_land_in_the_shared_model(no_leftover_ranks):
     before = set(glob.glob("/dev/shm/labkit-hogwild-*"))
     res = experiment.run(cfg)
     a, b = (r["params"] for r in res.results)
-    assert max_diff(a, b) == 0.0                            # one model, read by both ranks
+    assert max_diff(a, b) == 0.0  # one model, read by both ranks
     # the run ends at 2 x (1 + 5) updates; both ranks may pass the check at once: one over
     updates = res.results[0]["shared_updates"]
     assert 12 <= updates <= 13 and res.results[1]["shared_updates"] == updates
-    assert len(res.records) == updates - 2 * cfg.warmup     # every measured update, recorded
+    assert len(res.records) == updates - 2 * cfg.warmup  # every measured update, recorded
     alone = experiment.run(cfg.replace(strategy="single", world_size=1, global_batch=16))
-    assert max_diff(a, alone.params) > 1e-4                 # the other rank's updates are in it
+    assert max_diff(a, alone.params) > 1e-4  # the other rank's updates are in it
     assert res.records["staleness"].ge(0).all()
-    assert set(glob.glob("/dev/shm/labkit-hogwild-*")) == before   # the file is gone
+    assert set(glob.glob("/dev/shm/labkit-hogwild-*")) == before  # the file is gone
 
 
 # ---- the straggler ---------------------------------------------------------------------------
+
 
 def test_straggler_slows_its_rank_in_the_labs_modes(no_leftover_ranks):
     res = experiment.run(BASE.replace(strategy="local_sgd", slowdown="1:3", steps=4, width=128))
@@ -205,18 +230,42 @@ def test_straggler_slows_its_rank_in_the_labs_modes(no_leftover_ranks):
 
 # ---- to a target loss, on synthetic records --------------------------------------------------
 
+
 def synthetic() -> pd.DataFrame:
     common = dict(world_size=2, global_batch=4, threads=1, compute_cpu_share=1.0, variant="")
     rows = []
-    for step, loss in enumerate([2.0, 1.5, 1.0]):          # ddp: 2 ranks, 2 samples each
+    for step, loss in enumerate([2.0, 1.5, 1.0]):  # ddp: 2 ranks, 2 samples each
         for rank in (0, 1):
-            rows.append(dict(common, strategy="ddp", rank=rank, step=step, loss=loss,
-                             shard_loss=loss, samples=2, start_s=step, step_s=0.5 + rank * 0.25,
-                             comm_bytes=100))
+            rows.append(
+                dict(
+                    common,
+                    strategy="ddp",
+                    rank=rank,
+                    step=step,
+                    loss=loss,
+                    shard_loss=loss,
+                    samples=2,
+                    start_s=step,
+                    step_s=0.5 + rank * 0.25,
+                    comm_bytes=100,
+                )
+            )
     for i, (rank, loss, stale) in enumerate([(0, 2.0, 0), (1, 1.8, 1), (0, 1.2, 1), (1, 0.9, 2)]):
-        rows.append(dict(common, strategy="hogwild", rank=rank, step=i // 2, shard_loss=loss,
-                         loss=math.nan, samples=2, start_s=0.1 * i, step_s=0.1,
-                         comm_bytes=0, staleness=stale))
+        rows.append(
+            dict(
+                common,
+                strategy="hogwild",
+                rank=rank,
+                step=i // 2,
+                shard_loss=loss,
+                loss=math.nan,
+                samples=2,
+                start_s=0.1 * i,
+                step_s=0.1,
+                comm_bytes=0,
+                staleness=stale,
+            )
+        )
     return pd.DataFrame(rows)
 
 
@@ -257,19 +306,42 @@ def test_a_failing_worker_ends_the_parameter_server_run_with_its_error(no_leftov
 
 # ---- the command line ------------------------------------------------------------------------
 
+
 def labkit_cli(*args):
     import subprocess
     import sys
-    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
-                          text=True, timeout=300)
+
+    return subprocess.run(
+        [sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_compare_takes_the_labs_flags_and_prints_the_to_target_table(tmp_path):
     out = tmp_path / "sa.json"
-    r = labkit_cli("compare", "--strategies", "local_sgd,async_ps", "--world-sizes", "3",
-                   "--period", "2", "--staleness-lr", "--outer-lr", "0.5", "--steps", "4",
-                   "--width", "32", "--depth", "1", "--global-batch", "48",
-                   "--dataset-size", "512", "--json", str(out))
+    r = labkit_cli(
+        "compare",
+        "--strategies",
+        "local_sgd,async_ps",
+        "--world-sizes",
+        "3",
+        "--period",
+        "2",
+        "--staleness-lr",
+        "--outer-lr",
+        "0.5",
+        "--steps",
+        "4",
+        "--width",
+        "32",
+        "--depth",
+        "1",
+        "--global-batch",
+        "48",
+        "--dataset-size",
+        "512",
+        "--json",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     assert "local_sgd@3 H=2" in r.stdout and "async_ps@3 staleness lr" in r.stdout
     assert "== to a loss of" in r.stdout and "updates to target" in r.stdout
@@ -277,13 +349,17 @@ def test_cli_compare_takes_the_labs_flags_and_prints_the_to_target_table(tmp_pat
     assert {"averaged", "rounds", "staleness", "lr_scale", "comm_bytes"} <= set(records)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--strategies", "local_sgd", "--period", "0"], "--period: period must be at least 1"),
-    (["--strategies", "diloco", "--outer-lr", "-1"], "--outer-lr: outer_lr must be positive"),
-    (["--strategies", "ddp", "--skew", "0.5"], "a straggler alone (slowdown) also works"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--strategies", "local_sgd", "--period", "0"], "--period: period must be at least 1"),
+        (["--strategies", "diloco", "--outer-lr", "-1"], "--outer-lr: outer_lr must be positive"),
+        (["--strategies", "ddp", "--skew", "0.5"], "a straggler alone (slowdown) also works"),
+    ],
+)
 def test_cli_bad_lab_flags_exit_2_naming_the_flag(args, message, capsys):
-    from labkit.__main__ import main            # in process: refused before anything runs
+    from labkit.__main__ import main  # in process: refused before anything runs
+
     assert main(["compare", "--world-sizes", "2", "--steps", "2", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
@@ -291,6 +367,7 @@ def test_cli_bad_lab_flags_exit_2_naming_the_flag(args, message, capsys):
 
 def test_straggler_prediction_sync_at_the_slowest_pace_async_at_the_mean():
     from labkit.predict.step import straggler_throughput
+
     assert straggler_throughput([1, 3], "ddp") == pytest.approx(1 / 3)
     assert straggler_throughput([1, 3], "local_sgd") == pytest.approx(1 / 3)
     assert straggler_throughput([1, 3], "async_ps") == pytest.approx((1 + 1 / 3) / 2)

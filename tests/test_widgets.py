@@ -1,5 +1,6 @@
 """The panels as code drives them: configs from widgets, bad input refused before a run, the
 background-thread path redrawing the Output widget, Stop and Interrupt, finished runs kept."""
+
 import json
 import time
 
@@ -25,12 +26,12 @@ def test_world_sizes_upto():
 def test_panel_builds_configs_from_its_widgets_and_bounds_the_slider():
     panel = run_panel(SMALL)
     env = probe()
-    assert panel.world.max == (env.max_world_size if env.device == "cuda"
-                               else max(2, 2 * env.max_world_size))
+    assert panel.world.max == (
+        env.max_world_size if env.device == "cuda" else max(2, 2 * env.max_world_size)
+    )
     panel.strategies.value = ("single", "ddp_naive")
     panel.batch.value, panel.world.value = 64, 2
-    got = [(c.strategy, c.world_size, c.global_batch) for c in panel.configs()
-           if c.threads is None]
+    got = [(c.strategy, c.world_size, c.global_batch) for c in panel.configs() if c.threads is None]
     assert got == [("single", 1, 64), ("ddp_naive", 1, 64), ("ddp_naive", 2, 64)]
     assert panel.status.value.startswith("ready: single")
 
@@ -40,10 +41,12 @@ def test_unattended_run_draws_table_and_charts_into_the_panel():
     assert set(panel.table["strategy"]) == {"single", "ddp"}
     assert "done" in panel.status.value
     kinds = [next(iter(o["data"])) for o in panel.out.outputs]
-    assert kinds[0] == "text/html" and kinds.count(PLOTLY) == 2   # the table, then 2 charts
+    assert kinds[0] == "text/html" and kinds.count(PLOTLY) == 2  # the table, then 2 charts
     assert "ddp@2" in shown(panel) and PLOTLY in shown(panel)
-    assert all(bar.value == bar.max == SMALL.steps for bar, _ in
-               (row.children for row in panel.bars.children))
+    assert all(
+        bar.value == bar.max == SMALL.steps
+        for bar, _ in (row.children for row in panel.bars.children)
+    )
 
 
 def test_a_run_from_the_background_thread_redraws_with_the_new_configuration():
@@ -57,7 +60,7 @@ def test_a_run_from_the_background_thread_redraws_with_the_new_configuration():
 def test_bad_input_is_refused_before_a_run_and_clears_stale_progress():
     panel = run_panel(SMALL, selected=("single", "ddp"), run_now=True)
     before = panel.records
-    panel.batch.value = 30                    # world sizes 1, 2, 3 and 4: 4 does not divide 30
+    panel.batch.value = 30  # world sizes 1, 2, 3 and 4: 4 does not divide 30
     panel.world.value = 4
     assert panel.run_button.disabled and "cannot run" in panel.status.value
     assert "not divisible by world size 4" in panel.status.value
@@ -69,7 +72,7 @@ def test_bad_input_is_refused_before_a_run_and_clears_stale_progress():
 
 def _wait_for_bars(panel, timeout=60):
     deadline = time.time() + timeout
-    while not panel.bars.children and time.time() < deadline:   # ranks are running
+    while not panel.bars.children and time.time() < deadline:  # ranks are running
         time.sleep(0.05)
 
 
@@ -93,7 +96,7 @@ def test_stop_keeps_the_runs_that_had_finished():
     panel.world.value = 2
     thread = panel.start()
     deadline = time.time() + 120
-    while len(panel.finished) < 2 and time.time() < deadline:   # both singles finished
+    while len(panel.finished) < 2 and time.time() < deadline:  # both singles finished
         time.sleep(0.05)
     panel.stop()
     thread.join(30)
@@ -116,8 +119,12 @@ def test_pipeline_panel_controls_and_redraw():
 
 def test_a_panel_trains_your_own_model():
     from torch import nn
-    panel = run_panel(SMALL, selected=("ddp",), run_now=True,
-                      model_fn=lambda cfg: nn.Sequential(nn.Linear(32, 7), nn.Tanh(),
-                                                         nn.Linear(7, 10)))
+
+    panel = run_panel(
+        SMALL,
+        selected=("ddp",),
+        run_now=True,
+        model_fn=lambda cfg: nn.Sequential(nn.Linear(32, 7), nn.Tanh(), nn.Linear(7, 10)),
+    )
     assert panel.error is None and "done" in panel.status.value
     assert (panel.records["comm_bytes"] == 4 * (32 * 7 + 7 + 7 * 10 + 10)).all()

@@ -1,5 +1,6 @@
 """Figures of the memory lab: bytes per rank by category, counted and calculated, and the loss
 curves of fp32 against bf16/fp16."""
+
 from __future__ import annotations
 
 import pandas as pd
@@ -7,8 +8,13 @@ import plotly.graph_objects as go
 
 from ..memory import CATEGORIES
 
-COLORS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b",
-          "activations": "#e45756", "rest": "#9e9e9e"}
+COLORS = {
+    "params": "#4c78a8",
+    "grads": "#f58518",
+    "optimizer": "#54a24b",
+    "activations": "#e45756",
+    "rest": "#9e9e9e",
+}
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
@@ -23,8 +29,9 @@ def by_rank(table: pd.DataFrame, title: str = "Memory per rank by category (coun
     largest = float(table[[f"{c}_mib" for c in CATEGORIES]].sum(axis=1).max()) * 2**20
     unit = _unit(largest)
     for c in CATEGORIES:
-        fig.add_trace(go.Bar(x=x, y=table[f"{c}_mib"] * 2**20 / UNITS[unit], name=c,
-                             marker_color=COLORS[c]))
+        fig.add_trace(
+            go.Bar(x=x, y=table[f"{c}_mib"] * 2**20 / UNITS[unit], name=c, marker_color=COLORS[c])
+        )
     fig.update_layout(barmode="stack", title=title, yaxis_title=unit, height=380)
     return fig
 
@@ -40,9 +47,15 @@ def calculated(df: pd.DataFrame, title: str, counted: pd.DataFrame | None = None
         fig.add_trace(go.Bar(x=x, y=df[c] / UNITS[unit], name=c, marker_color=COLORS[c]))
     if counted is not None:
         tot = counted.groupby("rank")["counted"].sum()
-        fig.add_trace(go.Scatter(x=[f"rank {r}" for r in tot.index], y=tot / UNITS[unit],
-                                 mode="markers", name="counted (measured)",
-                                 marker={"symbol": "line-ew-open", "size": 40, "color": "black"}))
+        fig.add_trace(
+            go.Scatter(
+                x=[f"rank {r}" for r in tot.index],
+                y=tot / UNITS[unit],
+                mode="markers",
+                name="counted (measured)",
+                marker={"symbol": "line-ew-open", "size": 40, "color": "black"},
+            )
+        )
     fig.update_layout(barmode="stack", title=title, yaxis_title=unit, height=340)
     return fig
 
@@ -53,6 +66,10 @@ def loss_curves(records: pd.DataFrame) -> go.Figure:
     for prec, g in records.groupby("precision", sort=False):
         g = g.groupby("step")["loss"].first()
         fig.add_trace(go.Scatter(x=g.index, y=g.values, mode="lines+markers", name=prec))
-    fig.update_layout(title="Loss per step: fp32 against reduced precision", xaxis_title="step",
-                      yaxis_title="loss (global batch)", height=320)
+    fig.update_layout(
+        title="Loss per step: fp32 against reduced precision",
+        xaxis_title="step",
+        yaxis_title="loss (global batch)",
+        height=320,
+    )
     return fig

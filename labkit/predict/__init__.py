@@ -9,7 +9,21 @@ bubble. The communication lab's step-time predictor builds on it.
 the rest) for a model, batch, precision, optimizer, strategy and world size: the memory lab's
 calculator (``labkit.memory.predict`` applies it to a run's config).
 """
-from .schedule import (ScheduleCosts, bubble_per_stage, costs_from_steps, predict_step,
-                       simulate, stage_actions)
 
-__all__ = ["ScheduleCosts", "bubble_per_stage", "costs_from_steps", "predict_step", "simulate", "stage_actions"]
+from .schedule import (
+    ScheduleCosts,
+    bubble_per_stage,
+    costs_from_steps,
+    predict_step,
+    simulate,
+    stage_actions,
+)
+
+__all__ = [
+    "ScheduleCosts",
+    "bubble_per_stage",
+    "costs_from_steps",
+    "predict_step",
+    "simulate",
+    "stage_actions",
+]

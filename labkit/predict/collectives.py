@@ -18,11 +18,12 @@ CPU all-reduce is a ring (``gloo::allreduce``, bcube for some sizes) and its bro
 from the root. At n = 2 every one of these sends the same bytes over the one link, so the fit is
 exact in form there; at larger n the fitted alpha absorbs the difference.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -33,12 +34,12 @@ def coefficients(op: str, world_size: int) -> tuple[float, float]:
     if n < 1:
         raise ValueError(f"world_size must be at least 1, got {n}")
     if n == 1:
-        return 0.0, 0.0                                 # nothing leaves the rank
+        return 0.0, 0.0  # nothing leaves the rank
     if op == "all_reduce":
         return 2.0 * (n - 1), 2.0 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):
         return float(n - 1), (n - 1) / n
-    if op in ("broadcast", "p2p"):                      # p2p: one send to a neighbour
+    if op in ("broadcast", "p2p"):  # p2p: one send to a neighbour
         return 1.0, 1.0
     raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)} or p2p")
 
@@ -78,13 +79,14 @@ class CollectiveModel:
         return self.link(op).time(op, nbytes, world_size)
 
     @classmethod
-    def uniform(cls, link: AlphaBeta) -> "CollectiveModel":
+    def uniform(cls, link: AlphaBeta) -> CollectiveModel:
         """One link for every op (a published interconnect)."""
         return cls({"all_reduce": link})
 
 
-def fit(op: str, world_size: int, sizes: Sequence[float], times: Sequence[float],
-        source: str = "fitted") -> AlphaBeta:
+def fit(
+    op: str, world_size: int, sizes: Sequence[float], times: Sequence[float], source: str = "fitted"
+) -> AlphaBeta:
     """Least-squares alpha and beta from measured (bytes, seconds), relative error weighted (a
     1 KiB and a 64 MiB point count alike). Exact on noise-free data; never negative."""
     a, b = coefficients(op, world_size)
@@ -96,9 +98,9 @@ def fit(op: str, world_size: int, sizes: Sequence[float], times: Sequence[float]
     # unknowns u = alpha, v = 1/beta; rows (a, b*S)/t . (u, v) = 1
     rows = [(a / t, b * s / t) for s, t in pts]
     u, v = _lstsq2(rows, [1.0] * len(rows))
-    if v <= 0:                                  # latency alone explains it: bandwidth unbounded
+    if v <= 0:  # latency alone explains it: bandwidth unbounded
         u, v = sum(r[0] for r in rows) / sum(r[0] ** 2 for r in rows), 0.0
-    elif u < 0:                                 # bandwidth alone explains it: no latency
+    elif u < 0:  # bandwidth alone explains it: no latency
         u, v = 0.0, sum(r[1] for r in rows) / sum(r[1] ** 2 for r in rows)
     return AlphaBeta(u, 1.0 / v if v > 0 else math.inf, source)
 
@@ -112,12 +114,19 @@ def _lstsq2(rows: Sequence[tuple[float, float]], rhs: Sequence[float]) -> tuple[
     y2 = sum(r[1] * y for r, y in zip(rows, rhs))
     det = s11 * s22 - s12 * s12
     if det <= 1e-12 * s11 * s22:
-        raise ValueError("sizes too alike to separate latency from bandwidth: measure a wider range")
+        raise ValueError(
+            "sizes too alike to separate latency from bandwidth: measure a wider range"
+        )
     return (y1 * s22 - y2 * s12) / det, (y2 * s11 - y1 * s12) / det
 
 
-def held_out_fit(op: str, world_size: int, sizes: Sequence[float], times: Sequence[float],
-                 min_bytes: float = 64 * 1024) -> tuple[AlphaBeta, list[dict]]:
+def held_out_fit(
+    op: str,
+    world_size: int,
+    sizes: Sequence[float],
+    times: Sequence[float],
+    min_bytes: float = 64 * 1024,
+) -> tuple[AlphaBeta, list[dict]]:
     """Fit on every other size (the smallest and largest always in), predict the rest.
 
     Returns the fit and one row per held-out size: bytes, measured, predicted, relative error;
@@ -125,13 +134,26 @@ def held_out_fit(op: str, world_size: int, sizes: Sequence[float], times: Sequen
     order = sorted(range(len(sizes)), key=lambda i: sizes[i])
     train = {order[0], order[-1]} | {order[k] for k in range(0, len(order), 2)}
     held = [i for i in order if i not in train]
-    model = fit(op, world_size, [sizes[i] for i in sorted(train)], [times[i] for i in sorted(train)],
-                source=f"fitted on {len(train)} sizes")
+    model = fit(
+        op,
+        world_size,
+        [sizes[i] for i in sorted(train)],
+        [times[i] for i in sorted(train)],
+        source=f"fitted on {len(train)} sizes",
+    )
     rows = []
     for i in held:
         pred = model.time(op, sizes[i], world_size)
-        rows.append({"op": op, "bytes": sizes[i], "measured_s": times[i], "predicted_s": pred,
-                     "error": abs(pred - times[i]) / times[i], "counted": sizes[i] >= min_bytes})
+        rows.append(
+            {
+                "op": op,
+                "bytes": sizes[i],
+                "measured_s": times[i],
+                "predicted_s": pred,
+                "error": abs(pred - times[i]) / times[i],
+                "counted": sizes[i] >= min_bytes,
+            }
+        )
     return model, rows
 
 
@@ -141,8 +163,11 @@ def fit_table(rows: Iterable[dict], world_size: int, on: str = "mean_s") -> Coll
     by_op: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         by_op.setdefault(r["op"], []).append((r["bytes"], r[on] if on in r else r["time_s"]))
-    fits = {op: fit(op, world_size, *zip(*pts), source=f"fitted on this machine (n={world_size})")
-            for op, pts in by_op.items() if len(pts) >= 2}
+    fits = {
+        op: fit(op, world_size, *zip(*pts), source=f"fitted on this machine (n={world_size})")
+        for op, pts in by_op.items()
+        if len(pts) >= 2
+    }
     if not fits:
         raise ValueError("no op was measured at two sizes or more: nothing to fit")
     return CollectiveModel(fits, default="all_reduce" if "all_reduce" in fits else next(iter(fits)))

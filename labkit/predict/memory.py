@@ -19,6 +19,7 @@ input batch not at all. With activation checkpointing each block saves only its 
 shards: FSDP pads every tensor's dim 0 to a multiple of N; ZeRO-1 assigns whole tensors to
 ranks the way ``ZeroRedundancyOptimizer`` does (largest first, to the least loaded rank).
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,17 +29,23 @@ import torch
 from torch import nn
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "rest")
-OPTIMIZERS = {"sgd": 0, "sgd_momentum": 4, "adam": 8}      # fp32 state bytes per parameter
+OPTIMIZERS = {"sgd": 0, "sgd_momentum": 4, "adam": 8}  # fp32 state bytes per parameter
 STRATEGIES = ("single", "ddp", "zero1", "fsdp")
-_ACT_OUT = (nn.ReLU, nn.Tanh, nn.Sigmoid)                   # save their output
-_ACT_IN = (nn.GELU, nn.SiLU, nn.LeakyReLU)                  # save their input
+_ACT_OUT = (nn.ReLU, nn.Tanh, nn.Sigmoid)  # save their output
+_ACT_IN = (nn.GELU, nn.SiLU, nn.LeakyReLU)  # save their input
 _MATMUL = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _VIEWS = (nn.Flatten, nn.Unflatten, nn.Identity, nn.Dropout)
 _POOL = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 
 
-def activation_bytes(model: nn.Module, input_shape: tuple, classes: int, *,
-                     precision: str = "fp32", checkpoint: bool = False) -> dict:
+def activation_bytes(
+    model: nn.Module,
+    input_shape: tuple,
+    classes: int,
+    *,
+    precision: str = "fp32",
+    checkpoint: bool = False,
+) -> dict:
     """Bytes autograd keeps from one forward of a batch of ``input_shape``: ``activations``,
     and ``weight_copies`` (autocast's 16-bit weights saved for backward). Traced on the meta
     device, so the model may be far larger than memory; unknown layer types are counted as
@@ -47,7 +54,7 @@ def activation_bytes(model: nn.Module, input_shape: tuple, classes: int, *,
     low = 2 if half else 4
     meta = copy.deepcopy(model).to("meta")
     x = torch.empty(input_shape, device="meta")
-    size: dict[int, int] = {id(x): 4}            # tensor -> bytes per element
+    size: dict[int, int] = {id(x): 4}  # tensor -> bytes per element
     keep, saved, copies, approx = [x], {}, [0], []
     batch = id(x)
 
@@ -64,7 +71,7 @@ def activation_bytes(model: nn.Module, input_shape: tuple, classes: int, *,
         elem = size.get(base(inp), 4)
         if isinstance(module, _MATMUL):
             if half and elem == 4:
-                saved[id(out) + 1] = inp.numel() * low   # the 16-bit cast of the input, a new tensor
+                saved[id(out) + 1] = inp.numel() * low  # the 16-bit cast of the input, a new tensor
             else:
                 save(inp)
             # addmm saves the weight only to compute the input's gradient; convolution always
@@ -79,7 +86,7 @@ def activation_bytes(model: nn.Module, input_shape: tuple, classes: int, *,
                 save(inp)
             elif isinstance(module, _POOL):
                 save(inp)
-                saved[id(out) + 1] = out.numel() * 8     # int64 indices
+                saved[id(out) + 1] = out.numel() * 8  # int64 indices
             elif not isinstance(module, _VIEWS):
                 save(inp)
                 save(out)
@@ -91,10 +98,13 @@ def activation_bytes(model: nn.Module, input_shape: tuple, classes: int, *,
             raise ValueError("checkpoint=True checkpoints each block of an nn.Sequential")
         h = x
         with torch.no_grad():
-            for block in blocks:            # each block keeps only its input
+            for block in blocks:  # each block keeps only its input
                 save(h)
-                hs = [m.register_forward_hook(_dtype_only(size, low, half)) for m in block.modules()
-                      if not list(m.children())]
+                hs = [
+                    m.register_forward_hook(_dtype_only(size, low, half))
+                    for m in block.modules()
+                    if not list(m.children())
+                ]
                 h = block(h)
                 for hk in hs:
                     hk.remove()
@@ -107,18 +117,24 @@ def activation_bytes(model: nn.Module, input_shape: tuple, classes: int, *,
         for hk in hooks:
             hk.remove()
     rows = out.shape[0] if out.dim() > 1 else 1
-    loss = rows * classes * 4 + 4         # fp32 log-probabilities and the mean's total weight
-    return {"activations": sum(saved.values()) + loss, "weight_copies": copies[0],
-            "approximate": sorted(set(approx))}
+    loss = rows * classes * 4 + 4  # fp32 log-probabilities and the mean's total weight
+    return {
+        "activations": sum(saved.values()) + loss,
+        "weight_copies": copies[0],
+        "approximate": sorted(set(approx)),
+    }
 
 
 def _dtype_only(size: dict, low: int, half: bool):
     """Inside a checkpointed block: only track what dtype each tensor has."""
+
     def hook(module, args, out):
         inp = args[0]
         b = id(inp._base) if inp._base is not None else id(inp)
         size[id(out) if out._base is None else id(out._base)] = (
-            low if isinstance(module, _MATMUL) else size.get(b, 4))
+            low if isinstance(module, _MATMUL) else size.get(b, 4)
+        )
+
     return hook
 
 
@@ -143,31 +159,51 @@ def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
     return parts
 
 
-def calculate(model: nn.Module, *, input_shape: tuple, classes: int, global_batch: int,
-              strategy: str = "ddp", world_size: int = 1, precision: str = "fp32",
-              optimizer: str = "sgd_momentum", checkpoint: bool = False, accumulate: int = 1,
-              recipe: str = "autocast"):
+def calculate(
+    model: nn.Module,
+    *,
+    input_shape: tuple,
+    classes: int,
+    global_batch: int,
+    strategy: str = "ddp",
+    world_size: int = 1,
+    precision: str = "fp32",
+    optimizer: str = "sgd_momentum",
+    checkpoint: bool = False,
+    accumulate: int = 1,
+    recipe: str = "autocast",
+):
     """Bytes per rank by category (one row per rank, a pandas DataFrame) for ``model`` trained
     on ``global_batch`` samples of ``input_shape`` (one sample's shape) per step."""
     import pandas as pd
+
     _check(strategy, world_size, precision, optimizer, recipe, global_batch, accumulate)
     micro = global_batch // (world_size * accumulate)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     psi = sum(math.prod(s) for s in shapes)
-    acts = activation_bytes(model, (micro, *input_shape), classes, precision=precision,
-                            checkpoint=checkpoint)
+    acts = activation_bytes(
+        model, (micro, *input_shape), classes, precision=precision, checkpoint=checkpoint
+    )
     p_b, g_b, k_b = _bytes_per_param(precision, optimizer, recipe)
     full = shard_numels(shapes, "single", world_size)
     sharded = shard_numels(shapes, strategy, world_size)
     opt_n = sharded if strategy in ("zero1", "fsdp") else full
     state_n = sharded if strategy == "fsdp" else full
     steps = _adam_steps(shapes, strategy, world_size) if optimizer == "adam" else [0] * world_size
-    batch = micro * (math.prod(input_shape) * 4 + 8)            # float inputs, int64 targets
+    batch = micro * (math.prod(input_shape) * 4 + 8)  # float inputs, int64 targets
     copies = acts["weight_copies"] if recipe == "autocast" else 0
-    copies += sum(b.numel() * b.element_size() for b in model.buffers())    # never sharded
-    rows = [{"rank": r, "params": state_n[r] * p_b, "grads": state_n[r] * g_b,
-             "optimizer": opt_n[r] * k_b + 4 * steps[r], "activations": acts["activations"],
-             "rest": batch + copies} for r in range(world_size)]
+    copies += sum(b.numel() * b.element_size() for b in model.buffers())  # never sharded
+    rows = [
+        {
+            "rank": r,
+            "params": state_n[r] * p_b,
+            "grads": state_n[r] * g_b,
+            "optimizer": opt_n[r] * k_b + 4 * steps[r],
+            "activations": acts["activations"],
+            "rest": batch + copies,
+        }
+        for r in range(world_size)
+    ]
     df = pd.DataFrame(rows)
     df.attrs.update(parameters=psi, micro_batch=micro, approximate=acts["approximate"])
     return df
@@ -175,7 +211,7 @@ def calculate(model: nn.Module, *, input_shape: tuple, classes: int, global_batc
 
 def _bytes_per_param(precision: str, optimizer: str, recipe: str) -> tuple[int, int, int]:
     if recipe == "paper" and precision != "fp32":
-        return 2, 2, OPTIMIZERS[optimizer] + 4           # + the fp32 master copy
+        return 2, 2, OPTIMIZERS[optimizer] + 4  # + the fp32 master copy
     return 4, 4, OPTIMIZERS[optimizer]
 
 
@@ -194,17 +230,31 @@ def _check(strategy, world_size, precision, optimizer, recipe, global_batch, acc
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
     if recipe not in ("autocast", "paper"):
-        raise ValueError(f"recipe must be 'autocast' (labkit's) or 'paper' (ZeRO's), got {recipe!r}")
+        raise ValueError(
+            f"recipe must be 'autocast' (labkit's) or 'paper' (ZeRO's), got {recipe!r}"
+        )
     if strategy == "single" and world_size != 1:
         raise ValueError("single runs on one device: set world_size=1")
     if global_batch % (world_size * accumulate):
-        raise ValueError(f"global batch {global_batch} does not split into {accumulate} "
-                         f"micro-batch(es) on each of {world_size} rank(s)")
+        raise ValueError(
+            f"global batch {global_batch} does not split into {accumulate} "
+            f"micro-batch(es) on each of {world_size} rank(s)"
+        )
 
 
-def transformer(n_params: float = 7e9, *, layers: int = 32, hidden: int = 4096, heads: int = 32,
-                seq: int = 4096, micro_batch: int = 1, strategy: str = "fsdp",
-                world_size: int = 64, optimizer: str = "adam", checkpoint: bool = True) -> dict:
+def transformer(
+    n_params: float = 7e9,
+    *,
+    layers: int = 32,
+    hidden: int = 4096,
+    heads: int = 32,
+    seq: int = 4096,
+    micro_batch: int = 1,
+    strategy: str = "fsdp",
+    world_size: int = 64,
+    optimizer: str = "adam",
+    checkpoint: bool = True,
+) -> dict:
     """One computed (not measured) row for a large transformer in the paper's mixed precision
     (2 + 2 + K bytes per parameter). Activations per layer (Korthikanti et al. 2022, "Reducing
     Activation Recomputation in Large Transformer Models", 16-bit, no tensor parallelism):
@@ -213,8 +263,13 @@ def transformer(n_params: float = 7e9, *, layers: int = 32, hidden: int = 4096, 
     n = world_size if strategy == "fsdp" else 1
     s, b, h = seq, micro_batch, hidden
     per_layer = 2 * s * b * h if checkpoint else s * b * h * (34 + 5 * heads * s / h)
-    return {"model": f"transformer {n_params / 1e9:g}B (computed, not measured)",
-            "strategy": strategy, "world_size": world_size,
-            "params": 2 * n_params / n, "grads": 2 * n_params / n,
-            "optimizer": k * n_params / (world_size if strategy in ("zero1", "fsdp") else 1),
-            "activations": layers * per_layer, "rest": 0.0}
+    return {
+        "model": f"transformer {n_params / 1e9:g}B (computed, not measured)",
+        "strategy": strategy,
+        "world_size": world_size,
+        "params": 2 * n_params / n,
+        "grads": 2 * n_params / n,
+        "optimizer": k * n_params / (world_size if strategy in ("zero1", "fsdp") else 1),
+        "activations": layers * per_layer,
+        "rest": 0.0,
+    }

@@ -34,16 +34,18 @@ measured there and modelled here, because on a CPU they are as large as the comm
 * ``Profile.after_wait``: a step computes more slowly after its rank slept through the exposed
   communication (cold caches, an idle core), added as ``StepPrediction.after_wait_s``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 from .collectives import CollectiveModel
-from .schedule import ScheduleCosts, predict_step as simulate_pipeline
+from .schedule import ScheduleCosts
+from .schedule import predict_step as simulate_pipeline
 
-MIB = 2 ** 20
-FIRST_BUCKET_BYTES = MIB            # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+MIB = 2**20
+FIRST_BUCKET_BYTES = MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_MB = 25.0
 PIPELINES = {"model_parallel": "model_parallel", "pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b"}
 
@@ -53,12 +55,12 @@ class Layer:
     """One block of the model (a child of an ``nn.Sequential``; the whole model otherwise)."""
 
     name: str
-    forward_s: float                  # at Profile.batch samples
+    forward_s: float  # at Profile.batch samples
     backward_s: float
-    grad_bytes: tuple[int, ...]       # each trainable parameter's gradient, in forward order
-    activation_bytes: float = 0.0     # this block's output, per sample
-    flops: float = 0.0                # forward FLOPs per sample (matmuls; 0 if unknown)
-    forward_fixed_s: float = 0.0      # the part that does not grow with the batch
+    grad_bytes: tuple[int, ...]  # each trainable parameter's gradient, in forward order
+    activation_bytes: float = 0.0  # this block's output, per sample
+    flops: float = 0.0  # forward FLOPs per sample (matmuls; 0 if unknown)
+    forward_fixed_s: float = 0.0  # the part that does not grow with the batch
     backward_fixed_s: float = 0.0
 
 
@@ -70,12 +72,12 @@ class Profile:
     layers: tuple[Layer, ...]
     optimizer_s: float = 0.0
     data_s: float = 0.0
-    ddp_overhead_s: float = 0.0       # DDP's hooks and bucket copies per step, no communication
+    ddp_overhead_s: float = 0.0  # DDP's hooks and bucket copies per step, no communication
     threads: int = 1
     device: str = "cpu"
     source: str = "measured"
-    comm_shares_core: bool = False    # gloo's thread has no core of its own (see ddp_timeline)
-    after_wait_s: tuple[tuple[float, float], ...] = ()   # (idle s before a step, extra s it took)
+    comm_shares_core: bool = False  # gloo's thread has no core of its own (see ddp_timeline)
+    after_wait_s: tuple[tuple[float, float], ...] = ()  # (idle s before a step, extra s it took)
 
     def after_wait(self, gap_s: float) -> float:
         """Extra seconds a step computes for after its rank waited ``gap_s`` idle (cold caches,
@@ -98,35 +100,57 @@ class Profile:
 
     @property
     def flops_per_sample(self) -> float:
-        return sum(3 * layer.flops for layer in self.layers)     # forward + 2x backward
+        return sum(3 * layer.flops for layer in self.layers)  # forward + 2x backward
 
-    def at_batch(self, batch: float) -> "Profile":
+    def at_batch(self, batch: float) -> Profile:
         """The same model at another per-rank batch: each layer's time on its line."""
         f = batch / self.batch
 
         def scale(t: float, fixed: float) -> float:
             return fixed + (t - fixed) * f
-        layers = tuple(replace(layer, forward_s=scale(layer.forward_s, layer.forward_fixed_s),
-                               backward_s=scale(layer.backward_s, layer.backward_fixed_s))
-                       for layer in self.layers)
+
+        layers = tuple(
+            replace(
+                layer,
+                forward_s=scale(layer.forward_s, layer.forward_fixed_s),
+                backward_s=scale(layer.backward_s, layer.backward_fixed_s),
+            )
+            for layer in self.layers
+        )
         return replace(self, batch=batch, layers=layers)
 
-    def on_device(self, flops_per_s: float, name: str) -> "Profile":
+    def on_device(self, flops_per_s: float, name: str) -> Profile:
         """The same model on a device with a given compute rate (FLOP/s): each layer's time is
         its FLOPs at that rate (memory-bound layers and kernel launches are not modelled)."""
         if self.flops_per_sample <= 0:
-            raise ValueError("this profile has no FLOP counts (a model that is not a stack of "
-                             "Linear/Conv layers?): a device preset cannot rescale it")
-        layers = tuple(replace(layer, forward_s=layer.flops * self.batch / flops_per_s,
-                               backward_s=2 * layer.flops * self.batch / flops_per_s,
-                               forward_fixed_s=0.0, backward_fixed_s=0.0)
-                       for layer in self.layers)
+            raise ValueError(
+                "this profile has no FLOP counts (a model that is not a stack of "
+                "Linear/Conv layers?): a device preset cannot rescale it"
+            )
+        layers = tuple(
+            replace(
+                layer,
+                forward_s=layer.flops * self.batch / flops_per_s,
+                backward_s=2 * layer.flops * self.batch / flops_per_s,
+                forward_fixed_s=0.0,
+                backward_fixed_s=0.0,
+            )
+            for layer in self.layers
+        )
         ratio = sum(x.forward_s + x.backward_s for x in layers) / max(
-            1e-12, sum(x.forward_s + x.backward_s for x in self.layers))
-        return replace(self, layers=layers, optimizer_s=self.optimizer_s * ratio,
-                       data_s=0.0, ddp_overhead_s=self.ddp_overhead_s * ratio, device=name,
-                       source=f"{self.source}, rescaled to {name}", comm_shares_core=False,
-                       after_wait_s=())
+            1e-12, sum(x.forward_s + x.backward_s for x in self.layers)
+        )
+        return replace(
+            self,
+            layers=layers,
+            optimizer_s=self.optimizer_s * ratio,
+            data_s=0.0,
+            ddp_overhead_s=self.ddp_overhead_s * ratio,
+            device=name,
+            source=f"{self.source}, rescaled to {name}",
+            comm_shares_core=False,
+            after_wait_s=(),
+        )
 
 
 @dataclass
@@ -140,12 +164,12 @@ class StepPrediction:
     forward_s: float
     backward_s: float
     optimizer_s: float
-    comm_total_s: float               # all communication, hidden or not
-    exposed_s: float                  # communication on the critical path
-    comm_bytes: float                 # payload bytes each rank all-reduces per optimizer step
+    comm_total_s: float  # all communication, hidden or not
+    exposed_s: float  # communication on the critical path
+    comm_bytes: float  # payload bytes each rank all-reduces per optimizer step
     buckets: list[dict] = field(default_factory=list)
-    bubble: float | None = None       # pipelines: mean idle share of the stages
-    after_wait_s: float = 0.0         # compute slowed by waiting (Profile.after_wait)
+    bubble: float | None = None  # pipelines: mean idle share of the stages
+    after_wait_s: float = 0.0  # compute slowed by waiting (Profile.after_wait)
 
     @property
     def hidden_s(self) -> float:
@@ -153,8 +177,14 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        return (self.data_s + self.forward_s + self.backward_s + self.exposed_s
-                + self.optimizer_s + self.after_wait_s)
+        return (
+            self.data_s
+            + self.forward_s
+            + self.backward_s
+            + self.exposed_s
+            + self.optimizer_s
+            + self.after_wait_s
+        )
 
     @property
     def samples_per_s(self) -> float:
@@ -162,11 +192,18 @@ class StepPrediction:
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "buckets"}
-        return {**out, "hidden_s": self.hidden_s, "step_s": self.step_s,
-                "samples_per_s": self.samples_per_s, "buckets": len(self.buckets)}
+        return {
+            **out,
+            "hidden_s": self.hidden_s,
+            "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s,
+            "buckets": len(self.buckets),
+        }
 
 
-def bucket_layout(grad_bytes_ready_order: Sequence[int], bucket_cap_mb: float | None) -> list[list[int]]:
+def bucket_layout(
+    grad_bytes_ready_order: Sequence[int], bucket_cap_mb: float | None
+) -> list[list[int]]:
     """Indices (into the ready order) of each DDP bucket, as the reducer rebuilds them after
     the first step: fill a bucket until it holds at least its limit, then start the next. With
     the default cap (None) the first bucket's limit is 1 MiB, the others 25 MB; with a cap
@@ -185,9 +222,14 @@ def bucket_layout(grad_bytes_ready_order: Sequence[int], bucket_cap_mb: float | 
     return buckets
 
 
-def ddp_timeline(layers: Sequence[Layer], network: CollectiveModel, world_size: int,
-                 bucket_cap_mb: float | None = None, compression: float = 1.0,
-                 shares_core: bool = False) -> tuple[float, float, list[dict]]:
+def ddp_timeline(
+    layers: Sequence[Layer],
+    network: CollectiveModel,
+    world_size: int,
+    bucket_cap_mb: float | None = None,
+    compression: float = 1.0,
+    shares_core: bool = False,
+) -> tuple[float, float, list[dict]]:
     """Overlap of bucketed all-reduces with backward: (total comm, exposed comm, buckets).
 
     Times are from the start of backward; each bucket row has bytes, ready, start, end.
@@ -198,18 +240,20 @@ def ddp_timeline(layers: Sequence[Layer], network: CollectiveModel, world_size: 
     goes at half speed, and overlap hides nothing: it only reorders the same CPU work. On a GPU
     (NCCL's kernels beside backward's) or a CPU with spare cores, both run at full speed."""
     ready_work, grads, t = [], [], 0.0
-    for layer in reversed(layers):                   # backward runs the last layer first
+    for layer in reversed(layers):  # backward runs the last layer first
         t += layer.backward_s
         for nbytes in reversed(layer.grad_bytes):
             grads.append(nbytes)
             ready_work.append(t)
     backward_work = t
-    buckets = [(sum(grads[i] for i in idx), len(idx), max(ready_work[i] for i in idx))
-               for idx in bucket_layout(grads, bucket_cap_mb)]
+    buckets = [
+        (sum(grads[i] for i in idx), len(idx), max(ready_work[i] for i in idx))
+        for idx in bucket_layout(grads, bucket_cap_mb)
+    ]
     rows: list[dict] = []
-    now = done = 0.0                        # wall clock; seconds of backward computed so far
+    now = done = 0.0  # wall clock; seconds of backward computed so far
     backward_end = backward_work if not buckets else None
-    left = 0.0                              # seconds of the running all-reduce still to go
+    left = 0.0  # seconds of the running all-reduce still to go
     ready_wall = [None] * len(buckets)
     while len(rows) < len(buckets) or left > 0:
         for b, (_, _, ready) in enumerate(buckets):
@@ -220,13 +264,20 @@ def ddp_timeline(layers: Sequence[Layer], network: CollectiveModel, world_size: 
         if left <= 0 and len(rows) < len(buckets) and ready_wall[len(rows)] is not None:
             nbytes, tensors, _ = buckets[len(rows)]
             left = network.time("all_reduce", nbytes * compression, world_size)
-            rows.append({"bytes": nbytes, "tensors": tensors, "ready_s": ready_wall[len(rows)],
-                         "start_s": now, "end_s": None})
+            rows.append(
+                {
+                    "bytes": nbytes,
+                    "tensors": tensors,
+                    "ready_s": ready_wall[len(rows)],
+                    "start_s": now,
+                    "end_s": None,
+                }
+            )
             continue
         computing = done < backward_work - 1e-12
         rate = 0.5 if (shares_core and computing and left > 0) else 1.0
         steps = []
-        if computing:                       # to the next bucket's readiness, or backward's end
+        if computing:  # to the next bucket's readiness, or backward's end
             nxt = min((r for _, _, r in buckets if r > done + 1e-12), default=backward_work)
             steps.append((min(nxt, backward_work) - done) / rate)
         if left > 0:
@@ -246,39 +297,63 @@ def ddp_timeline(layers: Sequence[Layer], network: CollectiveModel, world_size: 
     return total, max(0.0, end - backward_work), rows
 
 
-def predict(profile: Profile, network: CollectiveModel, strategy: str, world_size: int,
-            global_batch: int, *, bucket_cap_mb: float | None = None, accumulate: int = 1,
-            no_sync: bool = True, compression: float = 1.0, microbatches: int = 4,
-            bounds: Sequence[int] | None = None) -> StepPrediction:
+def predict(
+    profile: Profile,
+    network: CollectiveModel,
+    strategy: str,
+    world_size: int,
+    global_batch: int,
+    *,
+    bucket_cap_mb: float | None = None,
+    accumulate: int = 1,
+    no_sync: bool = True,
+    compression: float = 1.0,
+    microbatches: int = 4,
+    bounds: Sequence[int] | None = None,
+) -> StepPrediction:
     """Predicted step of ``strategy`` on ``world_size`` ranks at ``global_batch`` samples per
     optimizer step (summed over ranks and accumulation micro-steps)."""
     if world_size < 1 or global_batch < 1 or accumulate < 1:
         raise ValueError("world_size, global_batch and accumulate must be at least 1")
     if strategy in PIPELINES:
-        return _pipeline(profile, network, strategy, world_size, global_batch,
-                         1 if strategy == "model_parallel" else microbatches, bounds)
+        return _pipeline(
+            profile,
+            network,
+            strategy,
+            world_size,
+            global_batch,
+            1 if strategy == "model_parallel" else microbatches,
+            bounds,
+        )
     if strategy not in ("single", "ddp", "ddp_naive"):
-        raise ValueError(f"no predictor for strategy {strategy!r}: single, ddp, ddp_naive, "
-                         f"{', '.join(PIPELINES)}")
+        raise ValueError(
+            f"no predictor for strategy {strategy!r}: single, ddp, ddp_naive, "
+            f"{', '.join(PIPELINES)}"
+        )
     ranks = 1 if strategy == "single" else world_size
     micro = profile.at_batch(global_batch / ranks / accumulate)
     fwd = accumulate * sum(layer.forward_s for layer in micro.layers)
     bwd = accumulate * sum(layer.backward_s for layer in micro.layers)
     syncs = 1 if no_sync else accumulate
     data_s = accumulate * profile.data_s
-    pred = StepPrediction(strategy, world_size, global_batch, data_s, fwd, bwd,
-                          profile.optimizer_s, 0.0, 0.0, 0.0)
+    pred = StepPrediction(
+        strategy, world_size, global_batch, data_s, fwd, bwd, profile.optimizer_s, 0.0, 0.0, 0.0
+    )
     if ranks == 1:
         return pred
     pred.comm_bytes = syncs * profile.grad_bytes * compression
     if strategy == "ddp":
         pred.backward_s += accumulate * profile.ddp_overhead_s
-        total, exposed, pred.buckets = ddp_timeline(micro.layers, network, ranks, bucket_cap_mb,
-                                                    compression, profile.comm_shares_core)
+        total, exposed, pred.buckets = ddp_timeline(
+            micro.layers, network, ranks, bucket_cap_mb, compression, profile.comm_shares_core
+        )
         pred.comm_total_s, pred.exposed_s = syncs * total, syncs * exposed
-    else:                                            # one all-reduce per tensor, after backward
-        per_sync = sum(network.time("all_reduce", nbytes * compression, ranks)
-                       for layer in micro.layers for nbytes in layer.grad_bytes)
+    else:  # one all-reduce per tensor, after backward
+        per_sync = sum(
+            network.time("all_reduce", nbytes * compression, ranks)
+            for layer in micro.layers
+            for nbytes in layer.grad_bytes
+        )
         pred.comm_total_s = pred.exposed_s = syncs * per_sync
     # a rank that waited for its peers computes its next work more slowly (Profile.after_wait):
     # its compute thread sleeps through the exposed communication
@@ -286,45 +361,83 @@ def predict(profile: Profile, network: CollectiveModel, strategy: str, world_siz
     return pred
 
 
-def _pipeline(profile: Profile, network: CollectiveModel, strategy: str, stages: int,
-              global_batch: int, microbatches: int, bounds: Sequence[int] | None) -> StepPrediction:
+def _pipeline(
+    profile: Profile,
+    network: CollectiveModel,
+    strategy: str,
+    stages: int,
+    global_batch: int,
+    microbatches: int,
+    bounds: Sequence[int] | None,
+) -> StepPrediction:
     layers = profile.at_batch(global_batch / microbatches).layers
     if bounds is None:
-        from ..models import even_bounds          # the split labkit's pipelines use
+        from ..models import even_bounds  # the split labkit's pipelines use
+
         bounds = even_bounds(len(layers), stages)
     bounds = list(bounds)
     ends = bounds[1:] + [len(layers)]
     parts = [layers[a:b] for a, b in zip(bounds, ends)]
     mb = global_batch / microbatches
     hop = tuple(network.time("p2p", part[-1].activation_bytes * mb, 2) for part in parts[:-1])
-    costs = ScheduleCosts(tuple(sum(x.forward_s for x in p) for p in parts),
-                          tuple(sum(x.backward_s for x in p) for p in parts), hop)
+    costs = ScheduleCosts(
+        tuple(sum(x.forward_s for x in p) for p in parts),
+        tuple(sum(x.backward_s for x in p) for p in parts),
+        hop,
+    )
     sim = simulate_pipeline(PIPELINES[strategy], microbatches, costs)
     busiest = max(range(stages), key=lambda s: costs.forward_s[s] + costs.backward_s[s])
     compute = microbatches * (costs.forward_s[busiest] + costs.backward_s[busiest])
-    fwd_share = costs.forward_s[busiest] / max(1e-12, costs.forward_s[busiest] + costs.backward_s[busiest])
-    idle = sim["span_s"] - compute                     # the busiest stage's wait: bubble + hops
-    return StepPrediction(strategy, stages, global_batch, profile.data_s * microbatches,
-                          compute * fwd_share, compute * (1 - fwd_share), profile.optimizer_s / stages,
-                          comm_total_s=sum(hop) * 2 * microbatches, exposed_s=max(0.0, idle),
-                          comm_bytes=0.0, bubble=sim["bubble"])
+    fwd_share = costs.forward_s[busiest] / max(
+        1e-12, costs.forward_s[busiest] + costs.backward_s[busiest]
+    )
+    idle = sim["span_s"] - compute  # the busiest stage's wait: bubble + hops
+    return StepPrediction(
+        strategy,
+        stages,
+        global_batch,
+        profile.data_s * microbatches,
+        compute * fwd_share,
+        compute * (1 - fwd_share),
+        profile.optimizer_s / stages,
+        comm_total_s=sum(hop) * 2 * microbatches,
+        exposed_s=max(0.0, idle),
+        comm_bytes=0.0,
+        bubble=sim["bubble"],
+    )
 
 
-def scaling(profile: Profile, network: CollectiveModel, strategy: str, world_sizes: Sequence[int],
-            batch_per_rank: int, **knobs) -> list[dict]:
+def scaling(
+    profile: Profile,
+    network: CollectiveModel,
+    strategy: str,
+    world_sizes: Sequence[int],
+    batch_per_rank: int,
+    **knobs,
+) -> list[dict]:
     """Predicted step and scaling efficiency at each world size, the per-rank batch held fixed
-    (weak scaling, as data parallelism is used): efficiency = throughput(n) / (n x throughput(1))."""
+    (weak scaling, as data parallelism is used): efficiency = throughput(n) / (n x
+    throughput(1))."""
     one = predict(profile, network, "single", 1, batch_per_rank).samples_per_s
     rows = []
     for n in world_sizes:
-        p = predict(profile, network, strategy if n > 1 else "single", n, batch_per_rank * n, **knobs)
+        p = predict(
+            profile, network, strategy if n > 1 else "single", n, batch_per_rank * n, **knobs
+        )
         rows.append({**p.as_dict(), "efficiency": p.samples_per_s / (n * one)})
     return rows
 
 
-def predict_balance(profile: Profile, network: CollectiveModel, world_size: int,
-                    global_batch: int, slowdown: Sequence[float] | None = None, *,
-                    policy: str = "static", weights: Sequence[float] | None = None) -> dict:
+def predict_balance(
+    profile: Profile,
+    network: CollectiveModel,
+    world_size: int,
+    global_batch: int,
+    slowdown: Sequence[float] | None = None,
+    *,
+    policy: str = "static",
+    weights: Sequence[float] | None = None,
+) -> dict:
     """``ddp_naive`` on ranks of unequal speed (``labkit.balance``): each rank computes its share
     of the global batch ``slowdown[r]`` times slower than profiled, the step waits for the
     slowest, then one all-reduce of every gradient as a flat message, and the optimizer.
@@ -335,18 +448,19 @@ def predict_balance(profile: Profile, network: CollectiveModel, world_size: int,
     share, compute and wait, and the throughput against the sum of the ranks' solo throughputs
     (the measured ``throughput_fraction``'s prediction)."""
     from ..balance import split
+
     factors = list(slowdown or [1.0] * world_size)
     if len(factors) != world_size:
         raise ValueError(f"slowdown has {len(factors)} factors for {world_size} ranks")
 
-    def compute(r: int, n: float) -> float:          # data + slowed forward and backward
+    def compute(r: int, n: float) -> float:  # data + slowed forward and backward
         layers = profile.at_batch(max(n, 1e-9)).layers
         fb = sum(x.forward_s + x.backward_s for x in layers)
         return profile.data_s * n / profile.batch + factors[r] * fb
 
     if policy == "dynamic":
         shares = [global_batch / world_size] * world_size
-        for _ in range(200):                          # shares <- shares x rate, to the fixed point
+        for _ in range(200):  # shares <- shares x rate, to the fixed point
             rates = [n / compute(r, n) for r, n in enumerate(shares)]
             shares = [global_batch * x / sum(rates) for x in rates]
         shares = split(global_batch, shares)
@@ -358,11 +472,18 @@ def predict_balance(profile: Profile, network: CollectiveModel, world_size: int,
     comm = network.time("all_reduce", profile.grad_bytes, world_size) if world_size > 1 else 0.0
     step = max(own) + comm + profile.optimizer_s
     ideal = sum(n / (c + profile.optimizer_s) for n, c in zip(shares, own))
-    return {"policy": policy, "shares": shares, "compute_s": own,
-            "wait_s": [max(own) - c for c in own], "comm_s": comm,
-            "optimizer_s": profile.optimizer_s, "step_s": step,
-            "samples_per_s": global_batch / step, "ideal_samples_per_s": ideal,
-            "throughput_fraction": global_batch / step / ideal}
+    return {
+        "policy": policy,
+        "shares": shares,
+        "compute_s": own,
+        "wait_s": [max(own) - c for c in own],
+        "comm_s": comm,
+        "optimizer_s": profile.optimizer_s,
+        "step_s": step,
+        "samples_per_s": global_batch / step,
+        "ideal_samples_per_s": ideal,
+        "throughput_fraction": global_batch / step / ideal,
+    }
 
 
 def straggler_throughput(factors: Sequence[float], mode: str) -> float:
@@ -380,5 +501,6 @@ def straggler_throughput(factors: Sequence[float], mode: str) -> float:
         return sum(1 / f for f in factors) / len(factors)
     if mode in ("ddp", "ddp_naive", "local_sgd", "diloco"):
         return 1 / max(factors)
-    raise ValueError(f"unknown mode {mode!r}: choose ddp, ddp_naive, local_sgd, diloco, "
-                     f"async_ps or hogwild")
+    raise ValueError(
+        f"unknown mode {mode!r}: choose ddp, ddp_naive, local_sgd, diloco, async_ps or hogwild"
+    )

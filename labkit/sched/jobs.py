@@ -10,18 +10,19 @@ can gain by moving GPUs around, so every curve says where it comes from (``Curve
   for a named device and interconnect (``labkit.predict.whatif``), via ``curve_from_predictor``;
 * ``preset``: a few shipped shapes (``PRESETS``), labelled as such.
 """
+
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 from ..predict.collectives import CollectiveModel
 from ..predict.step import Layer, Profile, scaling
 from ..predict.whatif import DEVICES, INTERCONNECTS
 
-INTRA_NODE = "NVLink 4 (H100)"         # default links inside a node and between nodes
+INTRA_NODE = "NVLink 4 (H100)"  # default links inside a node and between nodes
 INTER_NODE = "400 Gb/s InfiniBand (NDR)"
 
 
@@ -41,11 +42,14 @@ class Curve:
         if not pts or pts[0][0] != 1:
             raise ValueError(f"curve {self.name!r} needs a throughput at 1 worker")
         if any(k < 1 or not v > 0 or not math.isfinite(v) for k, v in pts):
-            raise ValueError(f"curve {self.name!r}: worker counts must be >= 1 and throughputs "
-                             f"positive, got {pts}")
+            raise ValueError(
+                f"curve {self.name!r}: worker counts must be >= 1 and throughputs "
+                f"positive, got {pts}"
+            )
         if not 0 < self.spread_factor <= 1:
-            raise ValueError(f"curve {self.name!r}: spread_factor must be in (0, 1], got "
-                             f"{self.spread_factor}")
+            raise ValueError(
+                f"curve {self.name!r}: spread_factor must be in (0, 1], got {self.spread_factor}"
+            )
         object.__setattr__(self, "points", pts)
         object.__setattr__(self, "_ks", [k for k, _ in pts])
 
@@ -58,7 +62,7 @@ class Curve:
             v = pts[i][1]
         elif i >= len(ks):
             v = pts[-1][1]
-        else:                                    # between two counts: a straight line
+        else:  # between two counts: a straight line
             (k0, v0), (k1, v1) = pts[i - 1], pts[i]
             v = v0 + (v1 - v0) * (workers - k0) / (k1 - k0)
         return v * self.spread_factor if spread else v
@@ -71,12 +75,21 @@ class Curve:
         return self(workers) / self(1)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "source": self.source, "spread_factor": self.spread_factor,
-                "points": [list(p) for p in self.points]}
+        return {
+            "name": self.name,
+            "source": self.source,
+            "spread_factor": self.spread_factor,
+            "points": [list(p) for p in self.points],
+        }
 
 
-def amdahl(name: str, serial: float, max_workers: int = 16, spread_factor: float = 1.0,
-           source: str = "preset") -> Curve:
+def amdahl(
+    name: str,
+    serial: float,
+    max_workers: int = 16,
+    spread_factor: float = 1.0,
+    source: str = "preset",
+) -> Curve:
     """speed-up 1 / (serial + (1 - serial) / k): ``serial`` 0 scales linearly."""
     pts = {k: 1.0 / (serial + (1 - serial) / k) for k in _counts(max_workers)}
     return Curve(name, tuple(pts.items()), source, spread_factor)
@@ -99,15 +112,17 @@ PRESETS: dict[str, Curve] = {
 # parameter bytes in fp32); compute is spread over a few equal blocks, which is all DDP's bucket
 # overlap needs to see. Labelled "preset profile": these are not measurements.
 MODEL_PRESETS = {
-    "resnet50": {"params": 25.6e6, "gflops": 4.1, "blocks": 8},     # He et al. 2016
-    "bert-base": {"params": 110e6, "gflops": 22.0, "blocks": 12},   # seq 128; Devlin et al.
+    "resnet50": {"params": 25.6e6, "gflops": 4.1, "blocks": 8},  # He et al. 2016
+    "bert-base": {"params": 110e6, "gflops": 22.0, "blocks": 12},  # seq 128; Devlin et al.
 }
 
 
 def preset_profile(model: str, batch: int = 256) -> Profile:
     """A predictor profile from a model's published parameter count and FLOPs (a preset)."""
     if model not in MODEL_PRESETS:
-        raise ValueError(f"unknown model preset {model!r}: choose one of {', '.join(MODEL_PRESETS)}")
+        raise ValueError(
+            f"unknown model preset {model!r}: choose one of {', '.join(MODEL_PRESETS)}"
+        )
     spec = MODEL_PRESETS[model]
     n = spec["blocks"]
     grad = int(4 * spec["params"] / n)
@@ -117,10 +132,15 @@ def preset_profile(model: str, batch: int = 256) -> Profile:
     return Profile(batch=batch, layers=layers, source=f"preset profile ({model})")
 
 
-def curve_from_predictor(model: str | Profile, device: str = "H100 SXM",
-                         intra: str = INTRA_NODE, inter: str = INTER_NODE,
-                         max_workers: int = 16, batch_per_rank: int = 256,
-                         strategy: str = "ddp") -> Curve:
+def curve_from_predictor(
+    model: str | Profile,
+    device: str = "H100 SXM",
+    intra: str = INTRA_NODE,
+    inter: str = INTER_NODE,
+    max_workers: int = 16,
+    batch_per_rank: int = 256,
+    strategy: str = "ddp",
+) -> Curve:
     """Throughput over worker counts from ``labkit.predict.step.scaling`` (weak scaling, the
     per-rank batch fixed) with the workers on ``intra``-node links; ``spread_factor`` is the
     predicted throughput on ``inter``-node links over that, at ``max_workers`` (the
@@ -128,8 +148,9 @@ def curve_from_predictor(model: str | Profile, device: str = "H100 SXM",
     for name, table in (("device", DEVICES), ("intra", INTERCONNECTS), ("inter", INTERCONNECTS)):
         value = {"device": device, "intra": intra, "inter": inter}[name]
         if value not in table:
-            raise ValueError(f"{name} {value!r} is not a predictor preset: choose one of "
-                             f"{', '.join(table)}")
+            raise ValueError(
+                f"{name} {value!r} is not a predictor preset: choose one of {', '.join(table)}"
+            )
     profile = preset_profile(model, batch_per_rank) if isinstance(model, str) else model
     dev = DEVICES[device]
     if dev.flops_per_s is not None:
@@ -137,15 +158,20 @@ def curve_from_predictor(model: str | Profile, device: str = "H100 SXM",
     counts = _counts(max_workers)
 
     def rates(link: str) -> dict[int, float]:
-        rows = scaling(profile, CollectiveModel.uniform(INTERCONNECTS[link]), strategy, counts,
-                       batch_per_rank)
+        rows = scaling(
+            profile, CollectiveModel.uniform(INTERCONNECTS[link]), strategy, counts, batch_per_rank
+        )
         return {n: r["samples_per_s"] for n, r in zip(counts, rows)}
+
     near, far = rates(intra), rates(inter)
     factor = min(1.0, far[counts[-1]] / near[counts[-1]]) if counts[-1] > 1 else 1.0
     label = model if isinstance(model, str) else "profile"
-    return Curve(f"{label} on {device}", tuple(near.items()),
-                 f"predicted (labkit.predict.step, {device}, {intra} in a node, {inter} across)",
-                 factor)
+    return Curve(
+        f"{label} on {device}",
+        tuple(near.items()),
+        f"predicted (labkit.predict.step, {device}, {intra} in a node, {inter} across)",
+        factor,
+    )
 
 
 def curve_from_records(table, name: str = "measured", spread_factor: float = 1.0) -> Curve:
@@ -156,9 +182,12 @@ def curve_from_records(table, name: str = "measured", spread_factor: float = 1.0
         raise ValueError("the table has no single/ddp/ddp_naive rows to take a curve from")
     pts = dp.groupby("world_size")["samples_per_s"].max().to_dict()
     busy = bool(table["busy"].any()) if "busy" in table else False
-    return Curve(name, tuple(pts.items()),
-                 "measured on this machine" + (" (busy: CPU share low)" if busy else ""),
-                 spread_factor)
+    return Curve(
+        name,
+        tuple(pts.items()),
+        "measured on this machine" + (" (busy: CPU share low)" if busy else ""),
+        spread_factor,
+    )
 
 
 @dataclass
@@ -172,8 +201,8 @@ class Job:
     work: float
     curve: Curve
     priority: int = 0
-    startup_s: float = 0.0          # first launch: processes up, model built
-    restart_s: float = 0.0          # every later start: checkpoint saved + re-launch + resume
+    startup_s: float = 0.0  # first launch: processes up, model built
+    restart_s: float = 0.0  # every later start: checkpoint saved + re-launch + resume
     # ---- outcome (filled by the simulator)
     start_s: float | None = None
     finish_s: float | None = None
@@ -190,10 +219,18 @@ class Job:
     def jct_s(self) -> float | None:
         return None if self.finish_s is None else self.finish_s - self.arrival_s
 
-    def fresh(self) -> "Job":
+    def fresh(self) -> Job:
         """A copy with no outcome (a trace is reused across policies)."""
-        return Job(self.job_id, self.arrival_s, self.gpus, self.work, self.curve, self.priority,
-                   self.startup_s, self.restart_s)
+        return Job(
+            self.job_id,
+            self.arrival_s,
+            self.gpus,
+            self.work,
+            self.curve,
+            self.priority,
+            self.startup_s,
+            self.restart_s,
+        )
 
 
 def resolve_curve(name: str, curves: Mapping[str, Curve] | None = None) -> Curve:
@@ -203,15 +240,31 @@ def resolve_curve(name: str, curves: Mapping[str, Curve] | None = None) -> Curve
     if name in PRESETS:
         return PRESETS[name]
     known = sorted({*(curves or {}), *PRESETS})
-    raise ValueError(f"unknown curve {name!r}: choose one of {', '.join(known)} or pass "
-                     f"curves={{'{name}': Curve(...)}}")
+    raise ValueError(
+        f"unknown curve {name!r}: choose one of {', '.join(known)} or pass "
+        f"curves={{'{name}': Curve(...)}}"
+    )
 
 
 def jobs_table(jobs: Sequence[Job]):
     """One row per job: request, work, outcome."""
     import pandas as pd
-    return pd.DataFrame([{"job_id": j.job_id, "arrival_s": j.arrival_s, "gpus": j.gpus,
-                          "priority": j.priority, "work": j.work, "curve": j.curve.name,
-                          "start_s": j.start_s, "finish_s": j.finish_s, "jct_s": j.jct_s,
-                          "restarts": j.restarts, "gpu_hours": j.gpu_seconds / 3600}
-                         for j in jobs])
+
+    return pd.DataFrame(
+        [
+            {
+                "job_id": j.job_id,
+                "arrival_s": j.arrival_s,
+                "gpus": j.gpus,
+                "priority": j.priority,
+                "work": j.work,
+                "curve": j.curve.name,
+                "start_s": j.start_s,
+                "finish_s": j.finish_s,
+                "jct_s": j.jct_s,
+                "restarts": j.restarts,
+                "gpu_hours": j.gpu_seconds / 3600,
+            }
+            for j in jobs
+        ]
+    )

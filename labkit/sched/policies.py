@@ -22,22 +22,24 @@ Policies (the papers they follow, in the simplified form a teaching simulator ca
                NSDI'19): a job's attained service is GPUs x seconds it has held; queues split at
                ``thresholds`` (GPU-seconds; default 0.5, 5 and 50 GPU-hours: with a single
                1-GPU-hour boundary LAS beat FIFO on only 1 of 6 generated traces, with these on
-               6 of 6), lower queue first, arrival order inside a queue; preemptive. Tiresias' starvation guard (promotion after a long wait) is left out.
+               6 of 6), lower queue first, arrival order inside a queue; preemptive. Tiresias'
+               starvation guard (promotion after a long wait) is left out.
 ``maxmin``     max-min fairness of normalised throughput (Gavel's ``max_min_fairness``, as rounds):
                each round runs the jobs that have held their requested GPUs for the smallest share
                of their time in the system.
-``ftf``        finish-time fairness (Themis, Mahajan et al., NSDI'20, as rounds): each round runs the
-               jobs with the largest estimated rho = (time in system + remaining time alone) /
+``ftf``        finish-time fairness (Themis, Mahajan et al., NSDI'20, as rounds): each round runs
+               the jobs with the largest estimated rho = (time in system + remaining time alone) /
                (time alone), the jobs that are worst off relative to running alone.
 ``elastic``    Pollux-like (Qiao et al., OSDI'21): every job gets one worker if there are enough
                (priority, then arrival), then each further GPU goes to the job whose speed-up
                gains most from it (``Curve.speedup``, with the placement penalty when it would span
                nodes); workers are added or removed while jobs run, each change a restart.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass
@@ -46,14 +48,14 @@ class Policy:
     preemptive: bool = False
     round_s: float | None = None
     elastic: bool = False
-    thresholds: tuple = ()           # las: GPU-second boundaries between queues
+    thresholds: tuple = ()  # las: GPU-second boundaries between queues
 
     def key(self, s, now: float) -> tuple:
         """Rank of job state ``s`` at ``now``: smaller runs first."""
         raise NotImplementedError
 
     def level(self, gpu_s: float) -> int:
-        gpu_s += 1e-9 * (1 + gpu_s)                  # at a boundary (up to rounding): the next queue
+        gpu_s += 1e-9 * (1 + gpu_s)  # at a boundary (up to rounding): the next queue
         return sum(gpu_s >= t for t in self.thresholds)
 
     def next_threshold(self, gpu_s: float) -> float | None:
@@ -122,8 +124,15 @@ class Elastic(Policy):
         return (-s.job.priority, s.job.arrival_s, s.job.job_id)
 
 
-POLICIES = {"fifo": FIFO, "srtf": SRTF, "priority": Priority, "las": LAS, "maxmin": MaxMin,
-            "ftf": FinishTimeFairness, "elastic": Elastic}
+POLICIES = {
+    "fifo": FIFO,
+    "srtf": SRTF,
+    "priority": Priority,
+    "las": LAS,
+    "maxmin": MaxMin,
+    "ftf": FinishTimeFairness,
+    "elastic": Elastic,
+}
 
 
 def make_policy(name: str | Policy, **options) -> Policy:
@@ -133,8 +142,12 @@ def make_policy(name: str | Policy, **options) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}")
     cls = POLICIES[name]
-    accepted = {"las": ("thresholds",), "maxmin": ("round_s",), "ftf": ("round_s",),
-                "elastic": ("round_s",)}.get(name, ())
+    accepted = {
+        "las": ("thresholds",),
+        "maxmin": ("round_s",),
+        "ftf": ("round_s",),
+        "elastic": ("round_s",),
+    }.get(name, ())
     kwargs = {k: v for k, v in options.items() if k in accepted and v is not None}
     if "round_s" in kwargs and not kwargs["round_s"] > 0:
         raise ValueError(f"round_s must be positive, got {kwargs['round_s']}")
@@ -154,8 +167,9 @@ def greedy_targets(states, policy: Policy, now: float, total_gpus: int) -> dict:
     return target
 
 
-def elastic_targets(states, policy: Policy, now: float, total_gpus: int,
-                    gpus_per_node: int) -> dict:
+def elastic_targets(
+    states, policy: Policy, now: float, total_gpus: int, gpus_per_node: int
+) -> dict:
     """Pollux-like allocation: one worker each in key order while GPUs last, then each spare GPU
     to the largest marginal speed-up (spanning nodes costs the curve's spread factor). A job's
     gains are made non-increasing (a running minimum: it grows past a node boundary only while
@@ -163,12 +177,13 @@ def elastic_targets(states, policy: Policy, now: float, total_gpus: int,
     the largest gain is picking the largest gains overall (ties: key order, then fewer workers),
     which numpy does at once."""
     import numpy as np
+
     order = sorted(states, key=lambda s: policy.key(s, now))[:total_gpus]
     target = {s.job.job_id: 1 for s in order}
     free = total_gpus - len(target)
     if free <= 0 or not target:
         return target
-    groups: dict = {}                              # jobs sharing a curve share its gains
+    groups: dict = {}  # jobs sharing a curve share its gains
     for rank, s in enumerate(order):
         c = s.job.curve
         if id(c) in groups:
@@ -199,6 +214,7 @@ _GAINS: dict = {}
 def _gain_table(curve, gpus_per_node: int):
     """Speed-up gained by worker k + 1 over k (k = 1, 2, ...), non-increasing, positive only."""
     import numpy as np
+
     key = (id(curve), gpus_per_node)
     if key not in _GAINS or _GAINS[key][0] is not curve:
         sp = [curve(k, k > gpus_per_node) / curve(1) for k in range(1, curve.max_workers + 1)]

@@ -20,6 +20,7 @@ thread calling ``labkit.experiment.run``; stopping one sets its cancel event, wh
 and reaps its ranks (``labkit.launch``); on any error or interrupt every job is stopped the same
 way, so no process is left behind.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,8 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import pandas as pd
 
@@ -40,44 +41,77 @@ from .jobs import Curve, Job
 from .policies import elastic_targets, greedy_targets, make_policy
 from .sim import Cluster, _State, metrics, simulate
 
-CORES = 2                      # this lab's cluster: one node of 2 "GPUs" (cores)
+CORES = 2  # this lab's cluster: one node of 2 "GPUs" (cores)
 MIN_JOBS, MAX_JOBS = 3, 12
 # a job: an MLP big enough that a step is compute, small enough that a job lasts seconds
-BASE = RunConfig(strategy="single", world_size=1, model="mlp", width=384, depth=3,
-                 global_batch=128, dataset_size=4096, warmup=0, steps=10, threads=1,
-                 timeout_s=120.0)
-ROUND_S = 2.0                  # maxmin, ftf, elastic rounds in the replay (seconds)
-LAS_THRESHOLDS = (1.5,)        # GPU-seconds: Tiresias' queue boundary at the replay's scale
+BASE = RunConfig(
+    strategy="single",
+    world_size=1,
+    model="mlp",
+    width=384,
+    depth=3,
+    global_batch=128,
+    dataset_size=4096,
+    warmup=0,
+    steps=10,
+    threads=1,
+    timeout_s=120.0,
+)
+ROUND_S = 2.0  # maxmin, ftf, elastic rounds in the replay (seconds)
+LAS_THRESHOLDS = (1.5,)  # GPU-seconds: Tiresias' queue boundary at the replay's scale
 
 
 def job_config(steps: int, workers: int, folder: str, seed: int = 0) -> RunConfig:
     """One replay job at ``workers`` workers, resuming from ``folder``'s checkpoint if any."""
-    return BASE.replace(strategy="single" if workers == 1 else "ddp", world_size=workers,
-                        steps=steps, checkpoint_dir=folder, checkpoint_every=1, seed=seed)
+    return BASE.replace(
+        strategy="single" if workers == 1 else "ddp",
+        world_size=workers,
+        steps=steps,
+        checkpoint_dir=folder,
+        checkpoint_every=1,
+        seed=seed,
+    )
 
 
 @dataclass
 class Calibration:
     """This machine's measured curve and costs for the replay's job."""
 
-    steps_per_s: dict            # workers -> steps/s
-    startup_s: dict              # workers -> seconds a fresh run costs besides its steps
-    resume_extra_s: float        # what resuming a checkpoint adds to that
-    busy: bool = False           # the CPU share of a rank fell below labkit's busy mark
+    steps_per_s: dict  # workers -> steps/s
+    startup_s: dict  # workers -> seconds a fresh run costs besides its steps
+    resume_extra_s: float  # what resuming a checkpoint adds to that
+    busy: bool = False  # the CPU share of a rank fell below labkit's busy mark
 
     @property
     def curve(self) -> Curve:
-        return Curve("replay mlp (measured)", tuple(self.steps_per_s.items()),
-                     "measured on this machine" + (" (busy)" if self.busy else ""))
+        return Curve(
+            "replay mlp (measured)",
+            tuple(self.steps_per_s.items()),
+            "measured on this machine" + (" (busy)" if self.busy else ""),
+        )
 
-    def job(self, job_id: int, arrival_s: float, workers: int, steps: int, priority: int = 0) -> Job:
+    def job(
+        self, job_id: int, arrival_s: float, workers: int, steps: int, priority: int = 0
+    ) -> Job:
         start = self.startup_s[workers]
-        return Job(job_id, arrival_s, workers, float(steps), self.curve, priority,
-                   startup_s=start, restart_s=start + self.resume_extra_s)
+        return Job(
+            job_id,
+            arrival_s,
+            workers,
+            float(steps),
+            self.curve,
+            priority,
+            startup_s=start,
+            restart_s=start + self.resume_extra_s,
+        )
 
     def as_dict(self) -> dict:
-        return {"steps_per_s": self.steps_per_s, "startup_s": self.startup_s,
-                "resume_extra_s": self.resume_extra_s, "busy": self.busy}
+        return {
+            "steps_per_s": self.steps_per_s,
+            "startup_s": self.startup_s,
+            "resume_extra_s": self.resume_extra_s,
+            "busy": self.busy,
+        }
 
 
 def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
@@ -87,6 +121,7 @@ def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
     (launch, model build, resume) and teardown."""
     from ..checkpoint import read_timeline
     from ..experiment import BUSY_SHARE, run
+
     t0 = time.perf_counter()
     res = run(cfg, cancel=cancel)
     wall = time.perf_counter() - t0
@@ -111,6 +146,7 @@ def calibrate(steps: int = 30, folder: str | None = None) -> Calibration:
 
         def one(i: int) -> None:
             out[i] = _timed_run(job_config(steps, 1, os.path.join(folder, f"one{i}")))
+
         threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
@@ -125,8 +161,9 @@ def calibrate(steps: int = 30, folder: str | None = None) -> Calibration:
         fixed1 = statistics.mean(w - s for w, s, _, _ in out.values())
         extra = max(0.0, (resumed[0] - resumed[1]) - fixed1)
         busy = any(r[3] for r in (*out.values(), two, resumed))
-        return Calibration({1: rate1, 2: two[2] / two[1]}, {1: fixed1, 2: two[0] - two[1]},
-                           extra, busy)
+        return Calibration(
+            {1: rate1, 2: two[2] / two[1]}, {1: fixed1, 2: two[0] - two[1]}, extra, busy
+        )
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
@@ -136,13 +173,18 @@ def calibrate(steps: int = 30, folder: str | None = None) -> Calibration:
 class ReplayJob:
     job_id: int
     arrival_s: float
-    workers: int                  # requested "GPUs" (cores): 1 or 2
+    workers: int  # requested "GPUs" (cores): 1 or 2
     steps: int
     priority: int = 0
 
 
-def small_trace(n: int, seed: int = 0, mean_gap_s: float = 1.0, high_priority: float = 0.25,
-                steps: tuple[int, int] = (40, 320)) -> list[ReplayJob]:
+def small_trace(
+    n: int,
+    seed: int = 0,
+    mean_gap_s: float = 1.0,
+    high_priority: float = 0.25,
+    steps: tuple[int, int] = (40, 320),
+) -> list[ReplayJob]:
     """``n`` jobs: Poisson arrivals, 70 % 1 worker and 30 % 2 (the Philly mix cut at 2),
     log-uniform (heavy-tailed) step counts in ``steps``."""
     if not MIN_JOBS <= n <= MAX_JOBS:
@@ -151,9 +193,15 @@ def small_trace(n: int, seed: int = 0, mean_gap_s: float = 1.0, high_priority: f
     t, jobs = 0.0, []
     lo, hi = math.log(steps[0]), math.log(steps[1])
     for i in range(n):
-        jobs.append(ReplayJob(i, round(t, 3), 1 if rng.random() < 0.7 else 2,
-                              int(math.exp(rng.uniform(lo, hi))),
-                              1 if rng.random() < high_priority else 0))
+        jobs.append(
+            ReplayJob(
+                i,
+                round(t, 3),
+                1 if rng.random() < 0.7 else 2,
+                int(math.exp(rng.uniform(lo, hi))),
+                1 if rng.random() < high_priority else 0,
+            )
+        )
         t += rng.expovariate(1.0 / mean_gap_s)
     return jobs
 
@@ -170,12 +218,16 @@ class _Handle:
     def _run(self) -> None:
         from ..experiment import run
         from ..launch import LaunchCancelled
+
         try:
-            run(self.cfg, cancel=self.cancel,
-                on_progress=lambda rank, m: setattr(self, "step", max(self.step, m["step"])))
+            run(
+                self.cfg,
+                cancel=self.cancel,
+                on_progress=lambda rank, m: setattr(self, "step", max(self.step, m["step"])),
+            )
         except LaunchCancelled:
             pass
-        except BaseException as exc:          # kept for the executor, which raises it
+        except BaseException as exc:  # kept for the executor, which raises it
             self.error = exc
 
     def stop(self, timeout_s: float) -> None:
@@ -187,21 +239,32 @@ class _Handle:
 
 def _checkpointed_step(folder: str) -> int:
     from ..checkpoint import read_timeline
+
     steps = [r["step"] for r in read_timeline(folder) if r.get("event") == "checkpoint"]
     return max(steps, default=0)
 
 
-def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *,
-            folder: str | None = None, tick_s: float = 0.05, timeout_s: float = 300.0,
-            log: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-            round_s: float = ROUND_S):
+def execute(
+    trace: Sequence[ReplayJob],
+    policy: str,
+    calibration: Calibration,
+    *,
+    folder: str | None = None,
+    tick_s: float = 0.05,
+    timeout_s: float = 300.0,
+    log: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
+    round_s: float = ROUND_S,
+):
     """Run ``trace`` for real under ``policy``; returns the jobs (with real start, finish,
     restarts) and the real allocation segments."""
     pol = make_policy(policy, round_s=round_s, thresholds=LAS_THRESHOLDS)
     own = folder is None
     folder = folder or tempfile.mkdtemp(prefix=f"labkit-sched-{pol.name}-")
-    jobs = {j.job_id: calibration.job(j.job_id, j.arrival_s, j.workers, j.steps, j.priority)
-            for j in trace}
+    jobs = {
+        j.job_id: calibration.job(j.job_id, j.arrival_s, j.workers, j.steps, j.priority)
+        for j in trace
+    }
     steps = {j.job_id: j.steps for j in trace}
     pending = sorted(trace, key=lambda j: (j.arrival_s, j.job_id))
     active: dict[int, _State] = {}
@@ -233,9 +296,18 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
         t = now()
         s.done = float(_checkpointed_step(os.path.join(folder, f"job{jid}")))
         s.settle(t)
-        gantt.append({"job_id": jid, "start_s": s.seg_start, "end_s": t, "gpus": s.alloc,
-                      "nodes": ((0, s.alloc),), "spread": False, "ready_s": s.seg_start,
-                      "priority": s.job.priority})
+        gantt.append(
+            {
+                "job_id": jid,
+                "start_s": s.seg_start,
+                "end_s": t,
+                "gpus": s.alloc,
+                "nodes": ((0, s.alloc),),
+                "spread": False,
+                "ready_s": s.seg_start,
+                "priority": s.job.priority,
+            }
+        )
         free += s.alloc
         s.alloc = 0
 
@@ -243,6 +315,7 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
         while pending or active:
             if cancel is not None and cancel.is_set():
                 from ..launch import LaunchCancelled
+
                 raise LaunchCancelled("the replay was stopped")
             t = now()
             if t > timeout_s:
@@ -256,7 +329,7 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
             for jid, h in list(handles.items()):
                 if h.error is not None:
                     raise h.error
-                if not h.thread.is_alive():          # finished all its steps
+                if not h.thread.is_alive():  # finished all its steps
                     s = active.pop(jid)
                     s.done = float(steps[jid])
                     stop(s)
@@ -269,7 +342,7 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
                     active[jid].done = float(h.step)
             for s in active.values():
                 s.settle(t)
-            if pol.thresholds:                          # a queue demotion is an event
+            if pol.thresholds:  # a queue demotion is an event
                 for jid, s in active.items():
                     lv = pol.level(s.gpu_s)
                     if levels.get(jid, 0) != lv:
@@ -283,7 +356,7 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
                     changed = False
             time.sleep(tick_s)
     finally:
-        for h in list(handles.values()):               # every rank stopped, every thread joined
+        for h in list(handles.values()):  # every rank stopped, every thread joined
             try:
                 h.stop(BASE.timeout_s)
             except RuntimeError:
@@ -293,7 +366,9 @@ def execute(trace: Sequence[ReplayJob], policy: str, calibration: Calibration, *
     return list(jobs.values()), gantt
 
 
-def _decide(pol, active: dict, rounds: bool, changed: bool, free: int, start, stop, now: float) -> None:
+def _decide(
+    pol, active: dict, rounds: bool, changed: bool, free: int, start, stop, now: float
+) -> None:
     """The simulator's decision at this event, on real progress."""
     states = list(active.values())
     if pol.round_s and rounds:
@@ -301,11 +376,14 @@ def _decide(pol, active: dict, rounds: bool, changed: bool, free: int, start, st
             return
         if not pol.elastic and all(s.alloc for s in states):
             return
-        target = (elastic_targets(states, pol, now, CORES, CORES) if pol.elastic
-                  else greedy_targets(states, pol, now, CORES))
+        target = (
+            elastic_targets(states, pol, now, CORES, CORES)
+            if pol.elastic
+            else greedy_targets(states, pol, now, CORES)
+        )
     elif pol.preemptive:
         target = greedy_targets(states, pol, now, CORES)
-    else:                                               # keep what runs; newcomers in key order
+    else:  # keep what runs; newcomers in key order
         target = {s.job.job_id: s.alloc for s in states if s.alloc}
         left = free
         for s in sorted((s for s in states if not s.alloc), key=lambda s: pol.key(s, now)):
@@ -326,8 +404,8 @@ def _decide(pol, active: dict, rounds: bool, changed: bool, free: int, start, st
 class ReplayReport:
     calibration: Calibration
     trace: list
-    table: pd.DataFrame                       # per policy: simulated vs real mean JCT
-    jobs: pd.DataFrame                        # per policy and job: simulated vs real JCT
+    table: pd.DataFrame  # per policy: simulated vs real mean JCT
+    jobs: pd.DataFrame  # per policy and job: simulated vs real JCT
     real: dict = field(default_factory=dict)  # policy -> (jobs, gantt)
     simulated: dict = field(default_factory=dict)
 
@@ -337,38 +415,52 @@ class ReplayReport:
 
     @property
     def same_ranking(self) -> bool:
-        return (list(self.table.sort_values("sim_mean_jct_s")["policy"])
-                == list(self.table.sort_values("real_mean_jct_s")["policy"]))
+        return list(self.table.sort_values("sim_mean_jct_s")["policy"]) == list(
+            self.table.sort_values("real_mean_jct_s")["policy"]
+        )
 
     def summary(self) -> str:
         c = self.calibration
         rank_sim = " < ".join(self.table.sort_values("sim_mean_jct_s")["policy"])
         rank_real = " < ".join(self.table.sort_values("real_mean_jct_s")["policy"])
-        return (f"measured: {c.steps_per_s[1]:.1f} steps/s on 1 worker, {c.steps_per_s[2]:.1f} on 2 "
-                f"({c.steps_per_s[2] / c.steps_per_s[1]:.2f}x); start-up {c.startup_s[1]:.2f} s "
-                f"(1 worker) / {c.startup_s[2]:.2f} s (2), resume adds {c.resume_extra_s:.2f} s"
-                f"{' (machine busy while measuring)' if c.busy else ''}\n"
-                f"mean JCT error (simulated / real - 1), mean of |error| over policies: "
-                f"{self.mean_abs_error:.1%}\n"
-                f"ranking by mean JCT: simulated {rank_sim}; real {rank_real} "
-                f"({'same order' if self.same_ranking else 'different order'})")
+        return (
+            f"measured: {c.steps_per_s[1]:.1f} steps/s on 1 worker, {c.steps_per_s[2]:.1f} on 2 "
+            f"({c.steps_per_s[2] / c.steps_per_s[1]:.2f}x); start-up {c.startup_s[1]:.2f} s "
+            f"(1 worker) / {c.startup_s[2]:.2f} s (2), resume adds {c.resume_extra_s:.2f} s"
+            f"{' (machine busy while measuring)' if c.busy else ''}\n"
+            f"mean JCT error (simulated / real - 1), mean of |error| over policies: "
+            f"{self.mean_abs_error:.1%}\n"
+            f"ranking by mean JCT: simulated {rank_sim}; real {rank_real} "
+            f"({'same order' if self.same_ranking else 'different order'})"
+        )
 
     def as_dict(self) -> dict:
-        return {"calibration": self.calibration.as_dict(),
-                "trace": [j.__dict__ for j in self.trace],
-                "table": self.table.to_dict("records"), "jobs": self.jobs.to_dict("records"),
-                "mean_abs_error": self.mean_abs_error, "same_ranking": self.same_ranking}
+        return {
+            "calibration": self.calibration.as_dict(),
+            "trace": [j.__dict__ for j in self.trace],
+            "table": self.table.to_dict("records"),
+            "jobs": self.jobs.to_dict("records"),
+            "mean_abs_error": self.mean_abs_error,
+            "same_ranking": self.same_ranking,
+        }
 
 
-def check(n: int | Sequence[ReplayJob], policies: Sequence[str], *, seed: int = 0,
-          calibration: Calibration | None = None, log: Callable[[str], None] | None = None,
-          cancel: threading.Event | None = None, recalibrate: bool = False,
-          **trace_options) -> ReplayReport:
+def check(
+    n: int | Sequence[ReplayJob],
+    policies: Sequence[str],
+    *,
+    seed: int = 0,
+    calibration: Calibration | None = None,
+    log: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
+    recalibrate: bool = False,
+    **trace_options,
+) -> ReplayReport:
     """Calibrate (unless given), replay ``n`` jobs (or your trace) under each policy for real,
     simulate the same, and compare. ``recalibrate``: measure again before every policy (on a
     machine whose other load changes, one calibration goes stale within minutes)."""
     for p in policies:
-        make_policy(p)                                  # a bad name fails before anything runs
+        make_policy(p)  # a bad name fails before anything runs
     trace = list(n) if not isinstance(n, int) else small_trace(n, seed, **trace_options)
     if calibration is None:
         if log:
@@ -384,22 +476,39 @@ def check(n: int | Sequence[ReplayJob], policies: Sequence[str], *, seed: int = 
             log(f"replaying {len(trace)} jobs under {p} ...")
         jobs, gantt = execute(trace, p, calibration, log=log, cancel=cancel)
         real[p] = (jobs, gantt)
-        sim_jobs = [calibration.job(j.job_id, j.arrival_s, j.workers, j.steps, j.priority)
-                    for j in trace]
+        sim_jobs = [
+            calibration.job(j.job_id, j.arrival_s, j.workers, j.steps, j.priority) for j in trace
+        ]
         res = simulate(sim_jobs, Cluster(1, CORES), p, round_s=ROUND_S, thresholds=LAS_THRESHOLDS)
         simulated[p] = res
         m_real, m_sim = metrics(jobs, CORES, p), res.metrics()
-        rows.append({"policy": p, "sim_mean_jct_s": m_sim["mean_jct_s"],
-                     "real_mean_jct_s": m_real["mean_jct_s"],
-                     "error": m_sim["mean_jct_s"] / m_real["mean_jct_s"] - 1,
-                     "sim_makespan_s": m_sim["makespan_s"], "real_makespan_s": m_real["makespan_s"],
-                     "sim_restarts": sum(j.restarts for j in res.jobs),
-                     "real_restarts": sum(j.restarts for j in jobs)})
+        rows.append(
+            {
+                "policy": p,
+                "sim_mean_jct_s": m_sim["mean_jct_s"],
+                "real_mean_jct_s": m_real["mean_jct_s"],
+                "error": m_sim["mean_jct_s"] / m_real["mean_jct_s"] - 1,
+                "sim_makespan_s": m_sim["makespan_s"],
+                "real_makespan_s": m_real["makespan_s"],
+                "sim_restarts": sum(j.restarts for j in res.jobs),
+                "real_restarts": sum(j.restarts for j in jobs),
+            }
+        )
         sim_by_id = {j.job_id: j for j in res.jobs}
         for j in jobs:
-            per_job.append({"policy": p, "job_id": j.job_id, "workers": j.gpus,
-                            "steps": int(j.work), "priority": j.priority,
-                            "real_jct_s": j.jct_s, "sim_jct_s": sim_by_id[j.job_id].jct_s,
-                            "real_restarts": j.restarts, "sim_restarts": sim_by_id[j.job_id].restarts})
-    return ReplayReport(calibration, trace, pd.DataFrame(rows), pd.DataFrame(per_job), real,
-                        simulated)
+            per_job.append(
+                {
+                    "policy": p,
+                    "job_id": j.job_id,
+                    "workers": j.gpus,
+                    "steps": int(j.work),
+                    "priority": j.priority,
+                    "real_jct_s": j.jct_s,
+                    "sim_jct_s": sim_by_id[j.job_id].jct_s,
+                    "real_restarts": j.restarts,
+                    "sim_restarts": sim_by_id[j.job_id].restarts,
+                }
+            )
+    return ReplayReport(
+        calibration, trace, pd.DataFrame(rows), pd.DataFrame(per_job), real, simulated
+    )

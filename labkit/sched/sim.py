@@ -15,18 +15,19 @@ Restarts: a job pays ``startup_s`` before its first step and ``restart_s`` (chec
 resume: measured on this machine for the replay) after every preemption or resize, holding its
 GPUs meanwhile.
 """
+
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from .jobs import Job
 from .policies import Policy, elastic_targets, greedy_targets, make_policy
 
-ARRIVE, FINISH, LEVEL, ROUND = 1, 0, 2, 3      # at equal times: finishes first, then arrivals
+ARRIVE, FINISH, LEVEL, ROUND = 1, 0, 2, 3  # at equal times: finishes first, then arrivals
 PLACEMENTS = ("consolidated", "spread")
 
 
@@ -38,18 +39,20 @@ class Cluster:
 
     def __post_init__(self):
         if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"a cluster needs at least 1 node of 1 GPU, got "
-                             f"{self.nodes}x{self.gpus_per_node}")
+            raise ValueError(
+                f"a cluster needs at least 1 node of 1 GPU, got {self.nodes}x{self.gpus_per_node}"
+            )
         if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got "
-                             f"{self.placement!r}")
+            raise ValueError(
+                f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
     @classmethod
-    def parse(cls, text: str, placement: str = "consolidated") -> "Cluster":
+    def parse(cls, text: str, placement: str = "consolidated") -> Cluster:
         """'4x8' -> 4 nodes of 8 GPUs."""
         try:
             n, g = (int(x) for x in text.lower().split("x"))
@@ -64,15 +67,29 @@ class Cluster:
 class _State:
     """A job while it is in the system: allocation and lazily settled progress."""
 
-    __slots__ = ("job", "alloc", "nodes", "rate", "done", "last_t", "ready_t", "version",
-                 "gpu_s", "run_s", "seg_start", "started", "req_rate", "alone_s")
+    __slots__ = (
+        "job",
+        "alloc",
+        "nodes",
+        "rate",
+        "done",
+        "last_t",
+        "ready_t",
+        "version",
+        "gpu_s",
+        "run_s",
+        "seg_start",
+        "started",
+        "req_rate",
+        "alone_s",
+    )
 
     def __init__(self, job: Job):
         self.job, self.alloc, self.nodes, self.rate = job, 0, (), 0.0
         self.done, self.last_t, self.ready_t, self.version = 0.0, job.arrival_s, 0.0, 0
         self.gpu_s = self.run_s = 0.0
         self.seg_start, self.started = None, False
-        self.req_rate, self.alone_s = job.curve(job.gpus), job.duration_alone_s   # keys use them
+        self.req_rate, self.alone_s = job.curve(job.gpus), job.duration_alone_s  # keys use them
 
     def done_at(self, now: float) -> float:
         t0 = max(self.last_t, self.ready_t)
@@ -120,9 +137,16 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, jobs: Sequence[Job], cluster: Cluster, policy: Policy | str,
-                 record_gantt: bool = True, **policy_options):
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        cluster: Cluster,
+        policy: Policy | str,
+        record_gantt: bool = True,
+        **policy_options,
+    ):
         from .traces import check_fits
+
         check_fits(jobs, cluster.gpus)
         self.cluster, self.policy = cluster, make_policy(policy, **policy_options)
         self.jobs = [j.fresh() for j in sorted(jobs, key=lambda j: (j.arrival_s, j.job_id))]
@@ -135,13 +159,13 @@ class Simulator:
         self.events: list = []
         self.seq = itertools.count()
         self.active: dict[int, _State] = {}
-        self.waiting: dict[int, list] = {}          # GPU request -> heap of (key, id)
-        self.running: list = []                      # heap of (_Rev(key), id, version)
+        self.waiting: dict[int, list] = {}  # GPU request -> heap of (key, id)
+        self.running: list = []  # heap of (_Rev(key), id, version)
         self.gantt: list[dict] = []
         self.busy_gpu_s = 0.0
         self.round_pending = False
-        self.fill_order: list = []                   # round policies: who fills free GPUs next
-        self.changed = True                          # arrivals or finishes since the last round
+        self.fill_order: list = []  # round policies: who fills free GPUs next
+        self.changed = True  # arrivals or finishes since the last round
         self.n_events = 0
 
     # ---- events ------------------------------------------------------------------------------
@@ -155,7 +179,7 @@ class Simulator:
         by_id = {j.job_id: j for j in self.jobs}
         while self.events:
             now = self.events[0][0]
-            rounds = acted = False                   # stale events alone change nothing
+            rounds = acted = False  # stale events alone change nothing
             while self.events and self.events[0][0] == now:
                 t, kind, _, jid, version = heapq.heappop(self.events)
                 self.n_events += 1
@@ -183,14 +207,22 @@ class Simulator:
                 r = self.policy.round_s
                 self.push((math.floor(now / r) + 1) * r, ROUND)
                 self.round_pending = True
-        return SimResult(self.policy.name, str(self.cluster), self.jobs, self.gantt,
-                         self.busy_gpu_s, self.cluster.gpus, self.n_events)
+        return SimResult(
+            self.policy.name,
+            str(self.cluster),
+            self.jobs,
+            self.gantt,
+            self.busy_gpu_s,
+            self.cluster.gpus,
+            self.n_events,
+        )
 
     # ---- queues ------------------------------------------------------------------------------
 
     def enqueue(self, s: _State, now: float) -> None:
-        heapq.heappush(self.waiting.setdefault(s.job.gpus, []),
-                       (self.policy.key(s, now), s.job.job_id))
+        heapq.heappush(
+            self.waiting.setdefault(s.job.gpus, []), (self.policy.key(s, now), s.job.job_id)
+        )
 
     def best_waiting(self, limit: int | None = None):
         """The top-ranked waiting job (of at most ``limit`` GPUs): (key, id, size) or None."""
@@ -198,9 +230,12 @@ class Simulator:
         for size, heap in self.waiting.items():
             if limit is not None and size > limit:
                 continue
-            while heap and self.active.get(heap[0][1]) is None or (
-                    heap and self.active[heap[0][1]].alloc):
-                heapq.heappop(heap)                  # finished or running: stale entry
+            while (
+                heap
+                and self.active.get(heap[0][1]) is None
+                or (heap and self.active[heap[0][1]].alloc)
+            ):
+                heapq.heappop(heap)  # finished or running: stale entry
             if heap and (best is None or heap[0][0] < best[0]):
                 best = (heap[0][0], heap[0][1], size)
         return best
@@ -225,25 +260,28 @@ class Simulator:
                 return
             self.changed = False
             if p.elastic:
-                target = elastic_targets(states, p, now, self.cluster.gpus,
-                                         self.cluster.gpus_per_node)
+                target = elastic_targets(
+                    states, p, now, self.cluster.gpus, self.cluster.gpus_per_node
+                )
             else:
                 target = greedy_targets(states, p, now, self.cluster.gpus)
-                self.fill_order = sorted((s for s in states if s.job.job_id not in target),
-                                         key=lambda s: p.key(s, now))
+                self.fill_order = sorted(
+                    (s for s in states if s.job.job_id not in target), key=lambda s: p.key(s, now)
+                )
             self.apply(target, now)
             return
-        if self.free == 0:                            # between rounds nothing can start
+        if self.free == 0:  # between rounds nothing can start
             if p.elastic or p.round_s:
                 return
-        if p.elastic:                                 # between rounds: one worker per newcomer
-            for s in sorted((s for s in self.active.values() if not s.alloc),
-                            key=lambda s: p.key(s, now)):
+        if p.elastic:  # between rounds: one worker per newcomer
+            for s in sorted(
+                (s for s in self.active.values() if not s.alloc), key=lambda s: p.key(s, now)
+            ):
                 if self.free == 0:
                     break
                 self.start(s, 1, now)
             return
-        if p.round_s:                                 # between rounds: fill, never preempt,
+        if p.round_s:  # between rounds: fill, never preempt,
             # in the last round's ranking (then newcomers by arrival): re-ranking every waiting
             # job at every event made a loaded cluster's time-sharing policies slow
             self.fill_order = [s for s in self.fill_order if s.job.finish_s is None]
@@ -268,7 +306,7 @@ class Simulator:
             if p.preemptive and self.preempt_for(s, key, now):
                 continue
             break
-        while self.free:                              # backfill what fits behind the blocked head
+        while self.free:  # backfill what fits behind the blocked head
             best = self.best_waiting(limit=self.free)
             if best is None:
                 return
@@ -321,13 +359,13 @@ class Simulator:
     def place(self, k: int) -> tuple:
         free, G = self.free_nodes, self.cluster.gpus_per_node
         if self.cluster.placement == "consolidated" and k <= G:
-            for f in range(k, G + 1):                 # best fit: the fullest node with room
+            for f in range(k, G + 1):  # best fit: the fullest node with room
                 if self.nodes_with[f]:
                     node = min(self.nodes_with[f]) if f == G else next(iter(self.nodes_with[f]))
                     self._take(node, k)
                     return ((node, k),)
         counts: dict = {}
-        if self.cluster.placement == "spread":        # one GPU from each of the emptiest nodes
+        if self.cluster.placement == "spread":  # one GPU from each of the emptiest nodes
             order = sorted(range(len(free)), key=lambda i: -free[i])
             need = k
             while need:
@@ -335,7 +373,7 @@ class Simulator:
                     if need and free[i] > counts.get(i, 0):
                         counts[i] = counts.get(i, 0) + 1
                         need -= 1
-        else:                                         # spill over the emptiest nodes
+        else:  # spill over the emptiest nodes
             need = k
             for f in range(G, 0, -1):
                 for i in sorted(self.nodes_with[f]):
@@ -399,14 +437,28 @@ class Simulator:
     def _segment(self, s: _State, now: float) -> None:
         self.busy_gpu_s += s.alloc * (now - s.seg_start)
         if self.record and now > s.seg_start:
-            self.gantt.append({"job_id": s.job.job_id, "start_s": s.seg_start, "end_s": now,
-                               "gpus": s.alloc, "nodes": s.nodes,
-                               "spread": len(s.nodes) > 1, "ready_s": min(s.ready_t, now),
-                               "priority": s.job.priority})
+            self.gantt.append(
+                {
+                    "job_id": s.job.job_id,
+                    "start_s": s.seg_start,
+                    "end_s": now,
+                    "gpus": s.alloc,
+                    "nodes": s.nodes,
+                    "spread": len(s.nodes) > 1,
+                    "ready_s": min(s.ready_t, now),
+                    "priority": s.job.priority,
+                }
+            )
 
 
-def simulate(jobs: Sequence[Job], cluster: Cluster | str, policy: Policy | str = "fifo", *,
-             record_gantt: bool = True, **policy_options) -> SimResult:
+def simulate(
+    jobs: Sequence[Job],
+    cluster: Cluster | str,
+    policy: Policy | str = "fifo",
+    *,
+    record_gantt: bool = True,
+    **policy_options,
+) -> SimResult:
     """Run ``jobs`` on ``cluster`` ('4x8' or a Cluster) under ``policy``; the jobs you pass are
     not changed (each run works on fresh copies)."""
     if isinstance(cluster, str):
@@ -425,7 +477,9 @@ def _pct(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def metrics(jobs: Sequence[Job], total_gpus: int, policy: str = "", busy_gpu_s: float | None = None) -> dict:
+def metrics(
+    jobs: Sequence[Job], total_gpus: int, policy: str = "", busy_gpu_s: float | None = None
+) -> dict:
     """One run's numbers. jct = finish - arrival; queue = first start - arrival; makespan = last
     finish - first arrival; utilisation = GPU-seconds held (restarts included) / (GPUs x
     makespan); rho (finish-time fairness) = jct / time alone at the requested size, mean and
@@ -439,18 +493,27 @@ def metrics(jobs: Sequence[Job], total_gpus: int, policy: str = "", busy_gpu_s: 
     gpu_s = busy_gpu_s if busy_gpu_s is not None else sum(j.gpu_seconds for j in done)
     high = [j.jct_s for j in done if j.priority > 0]
     low = [j.jct_s for j in done if j.priority <= 0]
-    return {"policy": policy, "jobs": len(done), "mean_jct_s": sum(jct) / len(jct),
-            "p95_jct_s": _pct(jct, 95), "p99_jct_s": _pct(jct, 99),
-            "mean_queue_s": sum(j.start_s - j.arrival_s for j in done) / len(done),
-            "makespan_s": span, "utilisation": gpu_s / (total_gpus * span) if span > 0 else math.nan,
-            "mean_rho": sum(rho) / len(rho), "max_rho": max(rho), "gpu_hours": gpu_s / 3600,
-            "restarts_per_job": sum(j.restarts for j in done) / len(done),
-            "mean_jct_high_s": sum(high) / len(high) if high else math.nan,
-            "mean_jct_low_s": sum(low) / len(low) if low else math.nan}
+    return {
+        "policy": policy,
+        "jobs": len(done),
+        "mean_jct_s": sum(jct) / len(jct),
+        "p95_jct_s": _pct(jct, 95),
+        "p99_jct_s": _pct(jct, 99),
+        "mean_queue_s": sum(j.start_s - j.arrival_s for j in done) / len(done),
+        "makespan_s": span,
+        "utilisation": gpu_s / (total_gpus * span) if span > 0 else math.nan,
+        "mean_rho": sum(rho) / len(rho),
+        "max_rho": max(rho),
+        "gpu_hours": gpu_s / 3600,
+        "restarts_per_job": sum(j.restarts for j in done) / len(done),
+        "mean_jct_high_s": sum(high) / len(high) if high else math.nan,
+        "mean_jct_low_s": sum(low) / len(low) if low else math.nan,
+    }
 
 
 def compare(jobs: Sequence[Job], cluster: Cluster | str, policies: Sequence[str], **options):
     """One metrics row per policy (a pandas DataFrame) and the runs, same trace and cluster."""
     import pandas as pd
+
     runs = {p: simulate(jobs, cluster, p, **options) for p in policies}
     return pd.DataFrame([r.metrics() for r in runs.values()]), runs

@@ -4,7 +4,8 @@ The generator follows the job-size mix Gavel (Narayanan et al., OSDI'20) publish
 Philly-derived traces: 70 % of jobs ask for 1 GPU, 10 % for 2, 15 % for 4 and 5 % for 8.
 Arrivals are a Poisson process (exponential gaps at ``rate_per_hour``). Durations are heavy
 tailed, log-uniform in two bands as Gavel's generator draws them: most jobs run 10^1.5 to 10^3
-minutes, a fifth 10^3 to 10^4 minutes; scaled here by ``duration_scale`` so a lab can shrink a trace (the shape is the point).
+minutes, a fifth 10^3 to 10^4 minutes; scaled here by ``duration_scale`` so a lab can shrink a
+trace (the shape is the point).
 
 CSV columns (one job per row; ``#`` lines are comments)::
 
@@ -13,13 +14,14 @@ CSV columns (one job per row; ``#`` lines are comments)::
 ``duration_s`` is how long the job runs alone on ``gpus`` GPUs of one node; its work in samples is
 ``duration_s x curve(gpus)``. ``curve`` names a curve (``labkit.sched.jobs.PRESETS`` or yours).
 """
+
 from __future__ import annotations
 
 import csv
 import io
 import math
 import random
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .jobs import Curve, Job, resolve_curve
 
@@ -29,10 +31,17 @@ COLUMNS = ("job_id", "arrival_s", "gpus", "priority", "duration_s", "curve")
 SHORT_BAND, LONG_BAND, LONG_SHARE = (1.5, 3.0), (3.0, 4.0), 0.2
 
 
-def generate(n: int, *, rate_per_hour: float = 30.0, seed: int = 0,
-             mix: Mapping[int, float] | None = None, high_priority: float = 0.0,
-             curves: Sequence[str] = ("good",), duration_scale: float = 1.0,
-             curve_table: Mapping[str, Curve] | None = None) -> list[Job]:
+def generate(
+    n: int,
+    *,
+    rate_per_hour: float = 30.0,
+    seed: int = 0,
+    mix: Mapping[int, float] | None = None,
+    high_priority: float = 0.0,
+    curves: Sequence[str] = ("good",),
+    duration_scale: float = 1.0,
+    curve_table: Mapping[str, Curve] | None = None,
+) -> list[Job]:
     """``n`` jobs, the same for the same arguments. ``high_priority``: share of jobs with
     priority 1 (the rest 0); ``curves``: curve names drawn uniformly per job."""
     if n < 1:
@@ -67,8 +76,16 @@ def to_csv(jobs: Sequence[Job], path: str | None = None) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(COLUMNS)
     for j in jobs:
-        w.writerow([j.job_id, f"{j.arrival_s:.3f}", j.gpus, j.priority,
-                    f"{j.work / j.curve(j.gpus):.3f}", j.curve.name])
+        w.writerow(
+            [
+                j.job_id,
+                f"{j.arrival_s:.3f}",
+                j.gpus,
+                j.priority,
+                f"{j.work / j.curve(j.gpus):.3f}",
+                j.curve.name,
+            ]
+        )
     text = buf.getvalue()
     if path:
         with open(path, "w") as f:
@@ -79,17 +96,23 @@ def to_csv(jobs: Sequence[Job], path: str | None = None) -> str:
 def parse_csv(text: str, curves: Mapping[str, Curve] | None = None) -> list[Job]:
     """Jobs from CSV text; a bad value raises ValueError naming its row (the file's line number)
     and column, and what to write instead."""
-    lines = [(i + 1, line) for i, line in enumerate(text.splitlines())
-             if line.strip() and not line.lstrip().startswith("#")]
+    lines = [
+        (i + 1, line)
+        for i, line in enumerate(text.splitlines())
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     if not lines:
-        raise ValueError("the trace is empty: write a header line "
-                         f"{','.join(COLUMNS)} and one row per job")
+        raise ValueError(
+            f"the trace is empty: write a header line {','.join(COLUMNS)} and one row per job"
+        )
     header_no, header = lines[0]
     names = [h.strip() for h in next(csv.reader([header]))]
     missing = [c for c in COLUMNS if c not in names]
     if missing:
-        raise ValueError(f"line {header_no}: the header lacks column(s) {', '.join(missing)}; "
-                         f"expected {','.join(COLUMNS)}")
+        raise ValueError(
+            f"line {header_no}: the header lacks column(s) {', '.join(missing)}; "
+            f"expected {','.join(COLUMNS)}"
+        )
     jobs, seen = [], {}
     for line_no, line in lines[1:]:
         cells = next(csv.reader([line]))
@@ -97,17 +120,20 @@ def parse_csv(text: str, curves: Mapping[str, Curve] | None = None) -> list[Job]
             raise ValueError(f"line {line_no}: {len(cells)} values for {len(names)} columns")
         row = dict(zip(names, (c.strip() for c in cells)))
 
-        def bad(col: str, why: str):
+        def bad(col: str, why: str, line_no=line_no, row=row):
             return ValueError(f"line {line_no}, column {col}: {row[col]!r} {why}")
 
-        def number(col: str, cast=float, low=0.0, strict=False):
+        def number(col: str, cast=float, low=0.0, strict=False, row=row):
             try:
                 v = cast(row[col])
             except ValueError:
-                raise bad(col, f"is not {'a whole number' if cast is int else 'a number'}") from None
+                raise bad(
+                    col, f"is not {'a whole number' if cast is int else 'a number'}"
+                ) from None
             if not math.isfinite(v) or v < low or (strict and v == low):
                 raise bad(col, f"must be {'>' if strict else '>='} {low:g}")
             return v
+
         job_id = number("job_id", int)
         if job_id in seen:
             raise bad("job_id", f"repeats the id of line {seen[job_id]}: ids must be unique")
@@ -142,22 +168,29 @@ def check_fits(jobs: Sequence[Job], total_gpus: int) -> None:
     """Refuse a trace with a job no cluster of ``total_gpus`` can ever run."""
     big = [j for j in jobs if j.gpus > total_gpus]
     if big:
-        raise ValueError(f"job {big[0].job_id} asks for {big[0].gpus} GPUs but the cluster has "
-                         f"{total_gpus}: grow the cluster or shrink the job")
+        raise ValueError(
+            f"job {big[0].job_id} asks for {big[0].gpus} GPUs but the cluster has "
+            f"{total_gpus}: grow the cluster or shrink the job"
+        )
 
 
 def mean_gpu_hours(mix: Mapping[int, float] | None = None, duration_scale: float = 1.0) -> float:
     """Expected GPU-hours of one generated job (request x duration alone)."""
     mix = dict(mix or PHILLY_MIX)
 
-    def band_mean(a: float, b: float) -> float:      # E[10^U(a, b)]
-        return (10 ** b - 10 ** a) / ((b - a) * math.log(10))
+    def band_mean(a: float, b: float) -> float:  # E[10^U(a, b)]
+        return (10**b - 10**a) / ((b - a) * math.log(10))
+
     minutes = (1 - LONG_SHARE) * band_mean(*SHORT_BAND) + LONG_SHARE * band_mean(*LONG_BAND)
     return sum(g * w for g, w in mix.items()) * minutes / 60 * duration_scale
 
 
-def rate_for_load(load: float, total_gpus: int, mix: Mapping[int, float] | None = None,
-                  duration_scale: float = 1.0) -> float:
+def rate_for_load(
+    load: float,
+    total_gpus: int,
+    mix: Mapping[int, float] | None = None,
+    duration_scale: float = 1.0,
+) -> float:
     """Arrivals per hour at which jobs ask for ``load`` x the cluster's GPU-hours on average."""
     if not load > 0:
         raise ValueError(f"load must be positive, got {load}")

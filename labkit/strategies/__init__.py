@@ -4,6 +4,7 @@
 process (``fns``: the user's ``labkit.factories.Factories``, or labkit's own pieces);
 ``run_rank`` is what the launcher and torchrun call.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,11 +14,21 @@ from ..dist import RankContext
 from ..factories import Factories
 
 # strategy name -> module in this package
-_MODULES = {"single": "single", "dp": "dp", "ddp": "ddp", "ddp_naive": "ddp_naive",
-            "model_parallel": "model_parallel", "pipeline_gpipe": "pipeline",
-            "pipeline_1f1b": "pipeline", "zero1": "zero1", "fsdp": "fsdp",
-            "local_sgd": "local_sgd", "diloco": "diloco",
-            "async_ps": "async_ps", "hogwild": "hogwild"}
+_MODULES = {
+    "single": "single",
+    "dp": "dp",
+    "ddp": "ddp",
+    "ddp_naive": "ddp_naive",
+    "model_parallel": "model_parallel",
+    "pipeline_gpipe": "pipeline",
+    "pipeline_1f1b": "pipeline",
+    "zero1": "zero1",
+    "fsdp": "fsdp",
+    "local_sgd": "local_sgd",
+    "diloco": "diloco",
+    "async_ps": "async_ps",
+    "hogwild": "hogwild",
+}
 assert set(_MODULES) == set(STRATEGY_RANKS)
 
 

@@ -21,6 +21,7 @@ Protocol (one float32 message each way; never a hang):
 The server stops when every worker said DONE. Every receive is bounded by the process group's
 timeout (``cfg.timeout_s``), and the launcher stops every rank on any failure.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,7 @@ from ..probes import peak_memory
 from .common import Progress, build_model, data_iter, final_state, train_loop
 
 PUSH, DONE = 1.0, 2.0
-HEADER = 4                      # kind, version, loss, samples
+HEADER = 4  # kind, version, loss, samples
 
 
 @dataclass
@@ -48,10 +49,10 @@ class ParameterServer:
     ``[self.param]`` (made by ``make_optimizer``); every accepted push is one optimizer step."""
 
     params: torch.Tensor
-    make_optimizer: object                      # callable: [param] -> torch.optim.Optimizer
+    make_optimizer: object  # callable: [param] -> torch.optim.Optimizer
     staleness_lr: bool = False
     version: int = 0
-    log: list[dict] = field(default_factory=list)   # one row per applied update
+    log: list[dict] = field(default_factory=list)  # one row per applied update
 
     def __post_init__(self):
         self.param = torch.nn.Parameter(self.params.detach().clone())
@@ -67,8 +68,10 @@ class ParameterServer:
         staleness (how many updates landed since that version)."""
         staleness = self.version - int(version)
         if staleness < 0:
-            raise ValueError(f"worker {worker} pushed a gradient of version {version}, newer than "
-                             f"the server's {self.version}: a message was lost or reordered")
+            raise ValueError(
+                f"worker {worker} pushed a gradient of version {version}, newer than "
+                f"the server's {self.version}: a message was lost or reordered"
+            )
         scale = 1.0 / max(1, staleness) if self.staleness_lr else 1.0
         for group, lr in zip(self.optimizer.param_groups, self.base_lr):
             group["lr"] = lr * scale
@@ -76,8 +79,16 @@ class ParameterServer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        self.log.append({"update": self.version, "worker": worker, "grad_version": int(version),
-                         "staleness": staleness, "lr_scale": scale, **info})
+        self.log.append(
+            {
+                "update": self.version,
+                "worker": worker,
+                "grad_version": int(version),
+                "staleness": staleness,
+                "lr_scale": scale,
+                **info,
+            }
+        )
         return staleness
 
 
@@ -89,7 +100,7 @@ def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
 
@@ -104,8 +115,9 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
 def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Module) -> dict:
     """Rank 0: answer pushes in arrival order until every worker is done; one record per update."""
     workers = ctx.world_size - 1
-    server = ParameterServer(flat_params(model), lambda ps: fns.optimizer(cfg, ps),
-                             staleness_lr=cfg.staleness_lr)
+    server = ParameterServer(
+        flat_params(model), lambda ps: fns.optimizer(cfg, ps), staleness_lr=cfg.staleness_lr
+    )
     n = server.param.numel()
     reply = torch.empty(n + 1)
 
@@ -115,7 +127,7 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         reply[n] = version
         dist.send(reply, dst=dst)
 
-    for w in range(1, workers + 1):        # the first pull
+    for w in range(1, workers + 1):  # the first pull
         answer(w)
     inbox = torch.empty(n + HEADER)
     warmup_updates = workers * cfg.warmup
@@ -125,13 +137,13 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
     progress = Progress(ctx, workers * cfg.steps)
     records, done, last = [], 0, time.perf_counter()
     while done < workers:
-        src = dist.recv(inbox)             # from any worker; bounded by the group's timeout
+        src = dist.recv(inbox)  # from any worker; bounded by the group's timeout
         t1 = time.perf_counter()
         kind, version, loss, samples = inbox[:HEADER].tolist()
         if kind == DONE:
             done += 1
             continue
-        if server.version >= budget:       # the run has its updates: this one is not applied
+        if server.version >= budget:  # the run has its updates: this one is not applied
             dist.send(stop, dst=src)
             continue
         stale = server.push(src, inbox[HEADER:], int(version))
@@ -140,33 +152,57 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         t3 = time.perf_counter()
         step = server.version - 1 - warmup_updates
         if step >= 0:
-            records.append({
-                "strategy": "async_ps", "world_size": cfg.world_size, "rank": 0,
-                "device": str(ctx.device), "global_batch": cfg.global_batch, "accumulate": 1,
-                "threads": torch.get_num_threads(), "role": "server", "step": step,
-                "shard_loss": loss, "samples": int(samples), "worker": src, "staleness": stale,
-                "lr_scale": server.log[-1]["lr_scale"], "grad_version": int(version),
-                # the server's time between updates: waiting for a push, applying it, replying
-                "data_s": 0.0, "forward_s": 0.0, "backward_s": 0.0, "wait_s": t1 - last,
-                "comm_s": t3 - t2,
-                "sync_overhead_s": 0.0, "optimizer_s": t2 - t1, "step_s": t3 - last,
-                "start_s": last, "compute_cpu_share": float("nan"),
-                "peak_mem_bytes": peak_memory(ctx.device),
-                # the server sends the parameters back; it receives the gradient (the worker's)
-                "comm_bytes": 4 * (n + 1)})
+            records.append(
+                {
+                    "strategy": "async_ps",
+                    "world_size": cfg.world_size,
+                    "rank": 0,
+                    "device": str(ctx.device),
+                    "global_batch": cfg.global_batch,
+                    "accumulate": 1,
+                    "threads": torch.get_num_threads(),
+                    "role": "server",
+                    "step": step,
+                    "shard_loss": loss,
+                    "samples": int(samples),
+                    "worker": src,
+                    "staleness": stale,
+                    "lr_scale": server.log[-1]["lr_scale"],
+                    "grad_version": int(version),
+                    # the server's time between updates: waiting for a push, applying it, replying
+                    "data_s": 0.0,
+                    "forward_s": 0.0,
+                    "backward_s": 0.0,
+                    "wait_s": t1 - last,
+                    "comm_s": t3 - t2,
+                    "sync_overhead_s": 0.0,
+                    "optimizer_s": t2 - t1,
+                    "step_s": t3 - last,
+                    "start_s": last,
+                    "compute_cpu_share": float("nan"),
+                    "peak_mem_bytes": peak_memory(ctx.device),
+                    # the server sends the parameters back; it receives the gradient (the worker's)
+                    "comm_bytes": 4 * (n + 1),
+                }
+            )
             progress(step + 1, loss, int(samples))
         last = t3
     load_flat(model, server.param.detach())
-    return {"records": records, "notes": [], "params": final_state(cfg, model),
-            "updates": server.version}
+    return {
+        "records": records,
+        "notes": [],
+        "params": final_state(cfg, model),
+        "updates": server.version,
+    }
 
 
 def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Module) -> dict:
     """Ranks 1..N-1: train on their shard; after each backward, push the gradient and pull the
     parameters (the shared loop's ``sync_grads``), so the local optimizer has nothing to do."""
     workers = ctx.world_size - 1
-    data, _ = data_iter(cfg, fns, rank=ctx.rank - 1, world_size=workers,
-                        batch_size=cfg.batch_per_rank)
+    data, _ = data_iter(
+        cfg, fns, rank=ctx.rank - 1, world_size=workers, batch_size=cfg.batch_per_rank
+    )
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     reply, outbox = torch.empty(n + 1), torch.zeros(n + HEADER)
@@ -178,13 +214,14 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
     def exchange() -> None:
         outbox[0], outbox[1] = PUSH, version[0]
         outbox[2], outbox[3] = last_loss
-        outbox[HEADER:] = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                     .reshape(-1) for p in params])
+        outbox[HEADER:] = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        )
         dist.send(outbox, dst=0)
-        for p in params:                   # the server applied it: no local optimizer step
+        for p in params:  # the server applied it: no local optimizer step
             p.grad = None
         dist.recv(reply, src=0)
-        if reply[n] < 0:                   # the server has its updates: stop after this step
+        if reply[n] < 0:  # the server has its updates: stop after this step
             version[0] = -1
             return
         load_flat(model, reply[:n])
@@ -192,7 +229,7 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
 
     loss_fn = fns.loss(cfg)
 
-    class LossTap(torch.nn.Module):        # the loss of the batch being pushed rides along
+    class LossTap(torch.nn.Module):  # the loss of the batch being pushed rides along
         def forward(self, out, y):
             loss = loss_fn(out, y)
             last_loss[0], last_loss[1] = float(loss.detach()), len(y)
@@ -200,15 +237,26 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
 
     tapped = dataclasses.replace(fns, loss_fn=lambda cfg: LossTap())
     try:
-        out = train_loop(cfg, ctx, model, data, strategy="async_ps", fns=tapped,
-                         sync_grads=exchange, comm_bytes=4 * (n + HEADER),
-                         until=lambda: version[0] < 0,
-                         steps=workers * (cfg.warmup + cfg.steps) - cfg.warmup)
+        out = train_loop(
+            cfg,
+            ctx,
+            model,
+            data,
+            strategy="async_ps",
+            fns=tapped,
+            sync_grads=exchange,
+            comm_bytes=4 * (n + HEADER),
+            until=lambda: version[0] < 0,
+            steps=workers * (cfg.warmup + cfg.steps) - cfg.warmup,
+        )
     finally:
         outbox.zero_()
         outbox[0] = DONE
         dist.send(outbox, dst=0)
-    for rec in out["records"]:             # the server's records carry the loss per update
-        rec["role"], rec["worker_loss"], rec["shard_loss"] = "worker", rec["shard_loss"], \
-            float("nan")
+    for rec in out["records"]:  # the server's records carry the loss per update
+        rec["role"], rec["worker_loss"], rec["shard_loss"] = (
+            "worker",
+            rec["shard_loss"],
+            float("nan"),
+        )
     return out

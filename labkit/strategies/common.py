@@ -3,13 +3,14 @@
 The loop is written once so that the strategies differ only in how they prepare the model, the
 data and the gradient synchronisation. That difference is the lesson: diff single.py and ddp.py.
 """
+
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ def set_check_mode(cfg: RunConfig) -> None:
     """Deterministic kernels and no TF32, so strategies can be compared to 1e-5 on GPUs too."""
     if not cfg.deterministic:
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS initialises
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS initialises
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -43,14 +44,16 @@ def build_model(cfg: RunConfig, ctx: RankContext, fns: Factories) -> nn.Module:
     model = fns.model(cfg)
     if cfg.sync_batchnorm and cfg.strategy in DATA_PARALLEL and ctx.world_size > 1:
         from ..syncbn import convert_sync_batchnorm
+
         model = convert_sync_batchnorm(model, ctx.device.type)
-    if cfg.checkpoint:                       # activation checkpointing, per block
+    if cfg.checkpoint:  # activation checkpointing, per block
         model = checkpoint_blocks(model)
     return model.to(ctx.device)
 
 
-def data_iter(cfg: RunConfig, fns: Factories, rank: int, world_size: int, batch_size: int,
-              dataset=None):
+def data_iter(
+    cfg: RunConfig, fns: Factories, rank: int, world_size: int, batch_size: int, dataset=None
+):
     """This rank's endless batches, and its loader (for a side batch that leaves the order be)."""
     dataset = fns.dataset(cfg) if dataset is None else dataset
     loader = shard_loader(dataset, batch_size, rank, world_size, seed=cfg.seed)
@@ -72,15 +75,26 @@ def final_state(cfg: RunConfig, module: nn.Module) -> dict | None:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterator, *,
-               strategy: str, fns: Factories, sync_grads: Callable[[], None] | None = None,
-               calibrate: Callable[[nn.Module], float] | None = None,
-               comm_bytes: int | Callable[[], int] = 0,
-               comm_total: Callable[[], float] | None = None, unwrapped: nn.Module | None = None,
-               notes: list[str] | None = None, balancer: "Balancer | None" = None,
-               make_optimizer: Callable | None = None,
-               after_step: Callable[[int], dict] | None = None,
-               until: Callable[[], bool] | None = None, steps: int | None = None) -> dict:
+def train_loop(
+    cfg: RunConfig,
+    ctx: RankContext,
+    model: nn.Module,
+    data: Iterator,
+    *,
+    strategy: str,
+    fns: Factories,
+    sync_grads: Callable[[], None] | None = None,
+    calibrate: Callable[[nn.Module], float] | None = None,
+    comm_bytes: int | Callable[[], int] = 0,
+    comm_total: Callable[[], float] | None = None,
+    unwrapped: nn.Module | None = None,
+    notes: list[str] | None = None,
+    balancer: Balancer | None = None,
+    make_optimizer: Callable | None = None,
+    after_step: Callable[[int], dict] | None = None,
+    until: Callable[[], bool] | None = None,
+    steps: int | None = None,
+) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
     Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
@@ -109,25 +123,35 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
     Memory and precision (``labkit.memory``, ``labkit.precision``): forward runs under
     ``cfg.precision``'s autocast, and every record carries the bytes of each memory category.
     """
-    loss_fn = fns.loss(cfg)             # a mean over the local batch; ranks then average grads
+    loss_fn = fns.loss(cfg)  # a mean over the local batch; ranks then average grads
     optimizer = (make_optimizer or (lambda ps: fns.optimizer(cfg, ps)))(model.parameters())
     amp = Amp(cfg.precision, ctx.device)
-    meter = MemoryMeter(model, optimizer, at_step=max(cfg.warmup - 1, 0))   # counts one step
+    meter = MemoryMeter(model, optimizer, at_step=max(cfg.warmup - 1, 0))  # counts one step
     seed_rank_streams(cfg, ctx)
-    probe = StepProbe(ctx.device, strategy=strategy, world_size=cfg.world_size, rank=ctx.rank,
-                      device=str(ctx.device), global_batch=cfg.global_batch,
-                      accumulate=cfg.accumulate, precision=cfg.precision,
-                      checkpoint=cfg.checkpoint)
+    probe = StepProbe(
+        ctx.device,
+        strategy=strategy,
+        world_size=cfg.world_size,
+        rank=ctx.rank,
+        device=str(ctx.device),
+        global_batch=cfg.global_batch,
+        accumulate=cfg.accumulate,
+        precision=cfg.precision,
+        checkpoint=cfg.checkpoint,
+    )
     k = cfg.accumulate
-    syncs = k if cfg.sync_every_microstep else 1          # synchronisations per optimizer step
+    syncs = k if cfg.sync_every_microstep else 1  # synchronisations per optimizer step
     bal = balancer
     total = cfg.warmup + (steps or cfg.steps)
     total = total if bal is None else bal.steps(total)
     comm_baseline_s, records = None, []
     progress = Progress(ctx, total - cfg.warmup)  # measured steps only
     notes = notes if notes is not None else []
-    resume = None if cfg.checkpoint_dir is None else Resume(
-        cfg, ctx, unwrapped if unwrapped is not None else model, optimizer, data, notes)
+    resume = (
+        None
+        if cfg.checkpoint_dir is None
+        else Resume(cfg, ctx, unwrapped if unwrapped is not None else model, optimizer, data, notes)
+    )
     start = resume.start() if resume is not None else 0
     # a straggler without a balancer (the sync/async modes) is timed on CPU seconds
     cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
@@ -157,14 +181,15 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                         loss = loss_fn(model(x), y)
                     probe.mark("forward")
                     scaled = loss / k if k > 1 else loss
-                    if bal is not None and bal.slices:    # weighted by this rank's share
+                    if bal is not None and bal.slices:  # weighted by this rank's share
                         scaled = scaled * bal.loss_scale
                     amp.backward(scaled)
-                    if bal is not None:       # a slower device: sleep, leave the core to others
+                    if bal is not None:  # a slower device: sleep, leave the core to others
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
-                    elif cpu is not None:     # CPU time: DDP's backward also waits in all-reduces
-                        extra["slowdown"] = straggle(cfg.slowdown, ctx.rank, i - cfg.warmup,
-                                                     c_compute, clock=cpu)
+                    elif cpu is not None:  # CPU time: DDP's backward also waits in all-reduces
+                        extra["slowdown"] = straggle(
+                            cfg.slowdown, ctx.rank, i - cfg.warmup, c_compute, clock=cpu
+                        )
                     probe.mark("backward")
                 if bal is not None and sync_now:
                     bal.arrive(samples + len(x))
@@ -176,25 +201,31 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
                 samples += len(x)
             meter.grads()
             extra.update(amp.step(optimizer))
-            if after_step is not None:    # before zero_grad: torch's averager skips grad-less
-                probe.mark("optimizer")   # parameters
+            if after_step is not None:  # before zero_grad: torch's averager skips grad-less
+                probe.mark("optimizer")  # parameters
                 extra.update(after_step(i))
                 probe.mark("comm")
             optimizer.zero_grad(set_to_none=True)
             probe.mark("optimizer")
-            meter.step()                     # counted outside the timed phases
+            meter.step()  # counted outside the timed phases
             sent = comm_bytes() if callable(comm_bytes) else syncs * comm_bytes
             # Python floats, not stack/sum/div on tensors: three ops less between steps
             shard_loss = sum(v.item() * n for v, n in losses) / samples
             if bal is not None:
                 extra["share"] = samples / cfg.global_batch
-            rec = probe.finish(i - cfg.warmup, shard_loss, samples,
-                               comm_baseline_s=comm_baseline_s, comm_bytes=sent, **extra)
+            rec = probe.finish(
+                i - cfg.warmup,
+                shard_loss,
+                samples,
+                comm_baseline_s=comm_baseline_s,
+                comm_bytes=sent,
+                **extra,
+            )
             rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
             rec.update(meter.columns())
             if bal is not None:
                 bal.end_step(i - cfg.warmup)
-            if cfg.pace_s:                  # a slower model's pace, outside the measured step
+            if cfg.pace_s:  # a slower model's pace, outside the measured step
                 time.sleep(max(0.0, cfg.pace_s - (time.perf_counter() - rec["start_s"])))
             if resume is not None:
                 rec["attempt"] = resume.attempt
@@ -202,8 +233,11 @@ def train_loop(cfg: RunConfig, ctx: RankContext, model: nn.Module, data: Iterato
             if i >= cfg.warmup:
                 records.append(rec)
                 progress(i + 1 - cfg.warmup, rec["shard_loss"], samples)
-    return {"records": records, "notes": notes,
-            "params": final_state(cfg, unwrapped if unwrapped is not None else model)}
+    return {
+        "records": records,
+        "notes": notes,
+        "params": final_state(cfg, unwrapped if unwrapped is not None else model),
+    }
 
 
 class Progress:
@@ -224,8 +258,9 @@ class Progress:
         loss = float("nan") if shard_loss is None else float(shard_loss)
         self.pending.append((step, loss, samples))
         if time.perf_counter() - self.last > self.every_s or step == self.total:
-            self.ctx.report(step=step, total=self.total, loss=loss, samples=samples,
-                            losses=self.pending)
+            self.ctx.report(
+                step=step, total=self.total, loss=loss, samples=samples, losses=self.pending
+            )
             self.pending = []
             self.last = time.perf_counter()
 

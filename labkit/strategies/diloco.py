@@ -9,9 +9,10 @@ away from θ) and an outer SGD with Nesterov momentum (``cfg.outer_lr`` 0.7, ``c
 and no momentum this is local SGD with AdamW inside; the outer momentum is what lets DiLoCo use
 long rounds (the paper: H = 500) with one all-reduce each.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,16 +30,19 @@ def outer_optimizer(global_params: list[torch.Tensor], lr: float, momentum: floa
 
 
 @torch.no_grad()
-def outer_step(global_params: list[torch.Tensor], local_params: list[torch.Tensor],
-               outer: torch.optim.Optimizer,
-               average: Callable[[torch.Tensor], None] = lambda t: None) -> None:
+def outer_step(
+    global_params: list[torch.Tensor],
+    local_params: list[torch.Tensor],
+    outer: torch.optim.Optimizer,
+    average: Callable[[torch.Tensor], None] = lambda t: None,
+) -> None:
     """One DiLoCo round's end: Δ = θ - mean_r θ_r (``average`` all-reduces a flat tensor to its
     mean over ranks in place; the identity on one rank), θ <- outer step on Δ, θ_r <- θ."""
     delta = torch.cat([(g - p).reshape(-1) for g, p in zip(global_params, local_params)])
-    average(delta)                        # one all-reduce per round, the size of the model
+    average(delta)  # one all-reduce per round, the size of the model
     offset = 0
     for g in global_params:
-        g.grad = delta[offset:offset + g.numel()].view_as(g).clone()
+        g.grad = delta[offset : offset + g.numel()].view_as(g).clone()
         offset += g.numel()
     outer.step()
     outer.zero_grad(set_to_none=True)
@@ -49,8 +53,9 @@ def outer_step(global_params: list[torch.Tensor], local_params: list[torch.Tenso
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     broadcast_parameters(model)
-    data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
-                        batch_size=cfg.batch_per_rank)
+    data, _ = data_iter(
+        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     global_params = [p.detach().clone() for p in params]
     outer = outer_optimizer(global_params, cfg.outer_lr, cfg.outer_momentum)
@@ -72,10 +77,24 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         state["rounds"] += int(due)
         return {"averaged": int(due), "rounds": state["rounds"], "period": cfg.period}
 
-    notes = [] if fns.optimizer_fn is None else [
-        "diloco trains with its own inner AdamW (inner_lr) and outer Nesterov SGD (outer_lr, "
-        "outer_momentum): your optimizer_fn was not used"]
-    return train_loop(cfg, ctx, model, data, strategy="diloco", fns=fns,
-                      make_optimizer=lambda params: inner, notes=notes,
-                      after_step=after_step, comm_bytes=lambda: nbytes * state["averaged"],
-                      unwrapped=model)
+    notes = (
+        []
+        if fns.optimizer_fn is None
+        else [
+            "diloco trains with its own inner AdamW (inner_lr) and outer Nesterov SGD (outer_lr, "
+            "outer_momentum): your optimizer_fn was not used"
+        ]
+    )
+    return train_loop(
+        cfg,
+        ctx,
+        model,
+        data,
+        strategy="diloco",
+        fns=fns,
+        make_optimizer=lambda params: inner,
+        notes=notes,
+        after_step=after_step,
+        comm_bytes=lambda: nbytes * state["averaged"],
+        unwrapped=model,
+    )

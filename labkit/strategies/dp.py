@@ -5,6 +5,7 @@ gathers the outputs on the first GPU and reduces gradients there. It is a single
 and the first GPU become bottlenecks) and it cannot span machines, which is why PyTorch recommends
 DistributedDataParallel even on one machine.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,15 +22,20 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
     notes = []
     if gpus == 0:
-        notes.append("DataParallel found no GPU, so it runs the whole batch on one CPU device, "
-                     "exactly like single: it only splits work across GPUs. On CPU (and across "
-                     "machines) use DDP, one process per rank.")
+        notes.append(
+            "DataParallel found no GPU, so it runs the whole batch on one CPU device, "
+            "exactly like single: it only splits work across GPUs. On CPU (and across "
+            "machines) use DDP, one process per rank."
+        )
         dp_model = nn.DataParallel(model)
     else:
         used = min(cfg.world_size, gpus)
         if used < cfg.world_size:
-            notes.append(f"world_size={cfg.world_size} but only {gpus} GPU(s): DataParallel uses {used}.")
+            notes.append(
+                f"world_size={cfg.world_size} but only {gpus} GPU(s): DataParallel uses {used}."
+            )
         dp_model = nn.DataParallel(model, device_ids=list(range(used)))
     data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.batch_per_rank)
-    return train_loop(cfg, ctx, dp_model, data, strategy="dp", fns=fns, notes=notes,
-                      unwrapped=model)
+    return train_loop(
+        cfg, ctx, dp_model, data, strategy="dp", fns=fns, notes=notes, unwrapped=model
+    )

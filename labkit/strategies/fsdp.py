@@ -10,6 +10,7 @@ only its shard of them, and its optimizer updates only its shard. Memory per ran
 Communication per micro-batch: two all-gathers of the parameters and one reduce-scatter of the
 gradients, 1.5x DDP's all-reduce payload.
 """
+
 from __future__ import annotations
 
 from torch.distributed.device_mesh import init_device_mesh
@@ -33,13 +34,17 @@ def shard(model, ctx: RankContext):
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    nbytes = grad_bytes(model)                 # before sharding: the whole model's
+    nbytes = grad_bytes(model)  # before sharding: the whole model's
     model = shard(model, ctx)
-    data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
-                        batch_size=cfg.batch_per_rank)
-    out = train_loop(cfg, ctx, model, data, strategy="fsdp", fns=fns,
-                     comm_bytes=cfg.accumulate * 3 * nbytes)   # gather, gather, reduce-scatter
-    if out["params"] is not None:              # check mode: whole tensors, as single has them
-        out["params"] = {name: t.full_tensor() if hasattr(t, "full_tensor") else t
-                         for name, t in out["params"].items()}
+    data, _ = data_iter(
+        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
+    )
+    out = train_loop(
+        cfg, ctx, model, data, strategy="fsdp", fns=fns, comm_bytes=cfg.accumulate * 3 * nbytes
+    )  # gather, gather, reduce-scatter
+    if out["params"] is not None:  # check mode: whole tensors, as single has them
+        out["params"] = {
+            name: t.full_tensor() if hasattr(t, "full_tensor") else t
+            for name, t in out["params"].items()
+        }
     return out

@@ -13,6 +13,7 @@ update and this one: the update's staleness.
 The file is unlinked as soon as every rank has mapped it: the mapping lives on, and nothing is
 left in /dev/shm even if a rank is killed.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,10 @@ def share_parameters(model: torch.nn.Module, flat: torch.Tensor) -> None:
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     if ctx.device.type != "cpu":
-        raise ValueError("hogwild shares one model in host memory between processes: run it on "
-                         "CPU (device='cpu')")
+        raise ValueError(
+            "hogwild shares one model in host memory between processes: run it on "
+            "CPU (device='cpu')"
+        )
     n = sum(p.numel() for p in model.parameters())
     # rank 0 names the file and fills it; the others map it after the broadcast
     token = torch.tensor([secrets.randbits(62) if ctx.rank == 0 else 0], dtype=torch.int64)
@@ -57,8 +60,8 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
                 f.truncate(4 * (n + ctx.world_size))
         dist.barrier()
         buf = shared_buffer(path, n + ctx.world_size)
-        dist.barrier()                     # every rank has it mapped: the name can go
-    finally:                               # whichever rank gets here (rank 0 may have died)
+        dist.barrier()  # every rank has it mapped: the name can go
+    finally:  # whichever rank gets here (rank 0 may have died)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -67,14 +70,15 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     if ctx.rank == 0:
         flat.copy_(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         counts.zero_()
-    dist.barrier()                         # initial weights written before anyone trains
+    dist.barrier()  # initial weights written before anyone trains
     share_parameters(model, flat)
-    data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
-                        batch_size=cfg.batch_per_rank)
-    seen = [0.0]                           # updates of the others at this rank's last update
+    data, _ = data_iter(
+        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
+    )
+    seen = [0.0]  # updates of the others at this rank's last update
 
     def after_step(i: int) -> dict:
-        counts[ctx.rank] += 1              # this rank's slot: no other rank writes it
+        counts[ctx.rank] += 1  # this rank's slot: no other rank writes it
         others = float(counts.sum()) - float(counts[ctx.rank])
         stale, seen[0] = others - seen[0], others
         return {"staleness": int(stale), "updates": int(float(counts.sum()))}
@@ -82,10 +86,19 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     # the run ends when the shared model has had world_size x steps updates (plus warm-up),
     # whoever made them: a fast rank makes more of them than a straggler
     budget = ctx.world_size * (cfg.warmup + cfg.steps)
-    out = train_loop(cfg, ctx, model, data, strategy="hogwild", fns=fns, after_step=after_step,
-                     unwrapped=model, until=lambda: float(counts.sum()) >= budget,
-                     steps=budget - cfg.warmup)
-    dist.barrier()                         # every update has landed: all ranks read one model
+    out = train_loop(
+        cfg,
+        ctx,
+        model,
+        data,
+        strategy="hogwild",
+        fns=fns,
+        after_step=after_step,
+        unwrapped=model,
+        until=lambda: float(counts.sum()) >= budget,
+        steps=budget - cfg.warmup,
+    )
+    dist.barrier()  # every update has landed: all ranks read one model
     out["shared_updates"] = int(float(counts.sum()))
     out["params"] = final_state(cfg, model)
     return out

@@ -11,6 +11,7 @@ model_averaging``, the post-local-SGD recipe of Lin et al. 2018, arXiv:1808.0721
 explicit process group: on gloo, the post-local-SGD hook's default subgroups assume one rank per
 CUDA device, which a CPU run does not have.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -28,25 +29,37 @@ from .common import build_model, data_iter, train_loop
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     broadcast_parameters(model)
-    data, _ = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size,
-                        batch_size=cfg.batch_per_rank)
+    data, _ = data_iter(
+        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
+    )
     group = dist.new_group(list(range(ctx.world_size)))
-    with warnings.catch_warnings():      # H = 1 warns "use DDP": here it is the equivalence test
+    with warnings.catch_warnings():  # H = 1 warns "use DDP": here it is the equivalence test
         warnings.simplefilter("ignore", UserWarning)
         # it averages on calls warmup_steps, warmup_steps + period, ...: with warmup_steps =
         # H - 1, after H, 2H, ... local steps
-        averager = PeriodicModelAverager(period=cfg.period, warmup_steps=cfg.period - 1,
-                                         process_group=group)
-    nbytes = grad_bytes(model)           # one copy of every parameter per averaging round
+        averager = PeriodicModelAverager(
+            period=cfg.period, warmup_steps=cfg.period - 1, process_group=group
+        )
+    nbytes = grad_bytes(model)  # one copy of every parameter per averaging round
     state = {"rounds": 0, "averaged": 0}
 
     def after_step(i: int) -> dict:
-        due = (averager.step - averager.warmup_steps) % averager.period == 0 \
-            and averager.step >= averager.warmup_steps
+        due = (
+            averager.step - averager.warmup_steps
+        ) % averager.period == 0 and averager.step >= averager.warmup_steps
         averager.average_parameters(model.parameters())
         state["averaged"] = int(due)
         state["rounds"] += int(due)
         return {"averaged": int(due), "rounds": state["rounds"], "period": cfg.period}
 
-    return train_loop(cfg, ctx, model, data, strategy="local_sgd", fns=fns, after_step=after_step,
-                      comm_bytes=lambda: nbytes * state["averaged"], unwrapped=model)
+    return train_loop(
+        cfg,
+        ctx,
+        model,
+        data,
+        strategy="local_sgd",
+        fns=fns,
+        after_step=after_step,
+        comm_bytes=lambda: nbytes * state["averaged"],
+        unwrapped=model,
+    )

@@ -7,6 +7,7 @@ pipeline code in pipeline.py with M=1, so only one stage ever works at a time an
 recovers. The classic form, all stages in one process on cuda:0..P-1, runs when this process
 is alone and sees at least P GPUs (``run_one_process``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,9 +25,11 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     cfg = cfg.replace(microbatches=1, pipeline_impl="scratch")
     if ctx.world_size == 1 and cfg.stages > 1:
         if torch.cuda.device_count() < cfg.stages:
-            raise ValueError(f"model_parallel in one process needs {cfg.stages} GPUs, found "
-                             f"{torch.cuda.device_count()}: launch {cfg.stages} ranks instead "
-                             f"(world_size == stages) to run the stages as CPU processes")
+            raise ValueError(
+                f"model_parallel in one process needs {cfg.stages} GPUs, found "
+                f"{torch.cuda.device_count()}: launch {cfg.stages} ranks instead "
+                f"(world_size == stages) to run the stages as CPU processes"
+            )
         return run_one_process(cfg, ctx, fns)
     return pipeline.run(cfg, ctx, fns)
 
@@ -36,8 +39,8 @@ class SplitModel(nn.Module):
 
     def __init__(self, model: nn.Sequential, bounds: list[int], out_device: torch.device):
         super().__init__()
-        self.out_device = out_device         # where the targets and the loss live
-        self.model = model                   # keeps whole-model parameter names
+        self.out_device = out_device  # where the targets and the loss live
+        self.model = model  # keeps whole-model parameter names
         self.stages = split(model, bounds)
         self.devices = [torch.device("cuda", i) for i in range(len(bounds))]
         for stage, device in zip(self.stages, self.devices):
@@ -54,6 +57,13 @@ def run_one_process(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     split_model = SplitModel(model, even_bounds(len(model), cfg.stages), ctx.device)
     data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.global_batch)
-    return train_loop(cfg, ctx, split_model, data, strategy="model_parallel", fns=fns,
-                      unwrapped=model,
-                      notes=[f"one process, stages on cuda:0..{cfg.stages - 1}"])
+    return train_loop(
+        cfg,
+        ctx,
+        split_model,
+        data,
+        strategy="model_parallel",
+        fns=fns,
+        unwrapped=model,
+        notes=[f"one process, stages on cuda:0..{cfg.stages - 1}"],
+    )

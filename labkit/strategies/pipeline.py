@@ -12,6 +12,7 @@ group (gloo on CPU). ``"torch"`` is ``torch.distributed.pipelining`` (``Pipeline
 ``ScheduleGPipe``/``Schedule1F1B``). Both scale each micro-batch's mean loss by 1/M, so the
 gradients, and after K steps the parameters, equal single-device training on the global batch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,11 @@ from ..dist import RankContext, clock_offset
 from ..factories import Factories
 from .stages import ActivationMeter, EventLog, Stage, StepOut, make_stage, train_stages
 
-_SCHEDULES = {"pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b", "model_parallel": "model_parallel"}
+_SCHEDULES = {
+    "pipeline_gpipe": "gpipe",
+    "pipeline_1f1b": "1f1b",
+    "model_parallel": "model_parallel",
+}
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
@@ -33,22 +38,43 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     loss_fn = fns.loss(cfg)
     meter = ActivationMeter(stage.module)
     log = EventLog(stage.index, ctx.device, clock_offset(ctx))
-    notes = [f"stage {stage.index} holds blocks {stage.bounds[stage.index]}.."
-             f"{(stage.bounds + [None])[stage.index + 1] or 'end'} (bounds {stage.bounds}"
-             f"{', balanced by measured cost' if cfg.balance else ', equal layer counts'})"]
-    if cfg.pipeline_impl == "torch":    # model_parallel.run has already set "scratch"
+    notes = [
+        f"stage {stage.index} holds blocks {stage.bounds[stage.index]}.."
+        f"{(stage.bounds + [None])[stage.index + 1] or 'end'} (bounds {stage.bounds}"
+        f"{', balanced by measured cost' if cfg.balance else ', equal layer counts'})"
+    ]
+    if cfg.pipeline_impl == "torch":  # model_parallel.run has already set "scratch"
         step_fn = torch_schedule(cfg, ctx, stage, meter, log, schedule, loss_fn)
-        notes.append("torch impl: events time the stage's forward_one_chunk/backward_one_chunk "
-                     "calls inside torch.distributed.pipelining's schedule (compute only; its "
-                     "send/recv waits fall between them)")
+        notes.append(
+            "torch impl: events time the stage's forward_one_chunk/backward_one_chunk "
+            "calls inside torch.distributed.pipelining's schedule (compute only; its "
+            "send/recv waits fall between them)"
+        )
     else:
         step_fn = scratch_schedule(cfg, ctx, stage, meter, log, schedule, loss_fn)
-    return train_stages(cfg, ctx, stage, step_fn, optimizer=optimizer, meter=meter, log=log,
-                        schedule=schedule, impl=cfg.pipeline_impl, notes=notes)
+    return train_stages(
+        cfg,
+        ctx,
+        stage,
+        step_fn,
+        optimizer=optimizer,
+        meter=meter,
+        log=log,
+        schedule=schedule,
+        impl=cfg.pipeline_impl,
+        notes=notes,
+    )
 
 
-def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: ActivationMeter,
-                     log: EventLog, schedule: str, loss_fn):
+def scratch_schedule(
+    cfg: RunConfig,
+    ctx: RankContext,
+    stage: Stage,
+    meter: ActivationMeter,
+    log: EventLog,
+    schedule: str,
+    loss_fn,
+):
     """A step function running ``schedule`` with blocking recv and asynchronous sends.
 
     Sends never block (``isend``; we wait for them at the end of the step), so a stage only
@@ -73,11 +99,11 @@ def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Acti
                 inp = xs[m] if stage.first else recv(stage.inp, prev).requires_grad_()
                 with log.time("F", m), meter.forward(m):
                     out = stage.module(inp)
-                    if stage.last:           # mean over this micro-batch / M = share of the global mean
+                    if stage.last:  # mean over this micro-batch / M = share of the global mean
                         out = loss_fn(out, ys[m]) / M
                 if stage.last:
                     losses.append(out.detach())
-                else:                        # keep the tensor alive until its send completes
+                else:  # keep the tensor alive until its send completes
                     sends.append((dist.isend(out.detach(), dst=nxt), out))
                 held[m] = (inp, out)
             else:
@@ -95,8 +121,15 @@ def scratch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Acti
     return step
 
 
-def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: ActivationMeter,
-                   log: EventLog, schedule: str, loss_fn):
+def torch_schedule(
+    cfg: RunConfig,
+    ctx: RankContext,
+    stage: Stage,
+    meter: ActivationMeter,
+    log: EventLog,
+    schedule: str,
+    loss_fn,
+):
     """A step function driving ``torch.distributed.pipelining`` on this rank's stage.
 
     The library gives no per-micro-batch timings, so we wrap this stage object's own
@@ -132,4 +165,3 @@ def torch_schedule(cfg: RunConfig, ctx: RankContext, stage: Stage, meter: Activa
         return StepOut(log, loss)
 
     return step
-

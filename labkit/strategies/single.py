@@ -1,4 +1,5 @@
 """Single device: the reference every other strategy is checked against."""
+
 from __future__ import annotations
 
 from ..config import RunConfig

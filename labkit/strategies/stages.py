@@ -5,30 +5,29 @@ Every rank builds the *whole* model from the seed (so its stage starts from exac
 batches as ``single``. ``train_stages`` runs warm-up and measured steps around a schedule
 function and turns what it returns into records; the schedules themselves live in pipeline.py.
 Event times are read from ``perf_counter``, one monotonic clock for every process on a machine
-(plus the offset to rank 0's clock across machines, ``dist.clock_offset``); ``experiment.finalize`` puts every rank's events of a
-step on one origin and computes the bubble, measured and predicted.
+(plus the offset to rank 0's clock across machines, ``dist.clock_offset``); ``experiment.finalize``
+puts every rank's events of a step on one origin and computes the bubble, measured and predicted.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import default_collate
 
 from .. import timeline
 from ..config import RunConfig
-from torch.utils.data import default_collate
-
 from ..dist import RankContext
 from ..factories import Factories
 from ..models import even_bounds, split, stage_state_names
 from ..probes import RunQueueClock, cpu_seconds, peak_memory, sync
-from .common import (Progress, buffers_kept, build_model, data_iter, final_state,
-                     seed_rank_streams)
+from .common import Progress, buffers_kept, build_model, data_iter, final_state, seed_rank_streams
 
 
 @dataclass
@@ -39,10 +38,10 @@ class Stage:
     stages: int
     bounds: list[int]
     module: nn.Sequential
-    names: dict[str, str]               # local parameter/buffer name -> whole-model name
-    inp: torch.Tensor                   # meta tensors: one micro-batch's input and output,
-    out: torch.Tensor                   # the shapes and dtypes every recv allocates
-    dataset: torch.utils.data.Dataset   # built once (data_fn is called once per rank per run)
+    names: dict[str, str]  # local parameter/buffer name -> whole-model name
+    inp: torch.Tensor  # meta tensors: one micro-batch's input and output,
+    out: torch.Tensor  # the shapes and dtypes every recv allocates
+    dataset: torch.utils.data.Dataset  # built once (data_fn is called once per rank per run)
 
     @property
     def first(self) -> bool:
@@ -60,21 +59,33 @@ def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories) -> Stage:
     # one micro-batch of real samples: the shapes every boundary sees
     x, _ = default_collate([dataset[i] for i in range(cfg.batch_per_rank)])
     x = x.to(ctx.device)
-    with buffers_kept(model):           # probing shapes and costs must not train BatchNorm
+    with buffers_kept(model):  # probing shapes and costs must not train BatchNorm
         bounds = stage_bounds(cfg, ctx, model, x)
         shapes = boundary_shapes(model, x)
     s, ends = ctx.rank, bounds[1:] + [len(model)]
     module = split(model, bounds)[s]
-    return Stage(s, cfg.stages, bounds, module, stage_state_names(bounds, s, module),
-                 shapes[bounds[s]], shapes[ends[s]], dataset)
+    return Stage(
+        s,
+        cfg.stages,
+        bounds,
+        module,
+        stage_state_names(bounds, s, module),
+        shapes[bounds[s]],
+        shapes[ends[s]],
+        dataset,
+    )
 
 
-def stage_bounds(cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor) -> list[int]:
+def stage_bounds(
+    cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor
+) -> list[int]:
     """Equal layer counts, or (``cfg.balance``) a cut by per-block cost timed on rank 0 and
     broadcast, because timings differ between ranks and every rank must cut at the same place."""
     if not cfg.balance:
         return even_bounds(len(model), cfg.stages)
-    box = [timeline.partition(timeline.layer_costs(model, x), cfg.stages) if ctx.rank == 0 else None]
+    box = [
+        timeline.partition(timeline.layer_costs(model, x), cfg.stages) if ctx.rank == 0 else None
+    ]
     if ctx.distributed:
         dist.broadcast_object_list(box, src=0)
     model.zero_grad(set_to_none=True)
@@ -112,7 +123,7 @@ class ActivationMeter:
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = (t.data_ptr(), t.numel())
             if t.data_ptr() not in self._params and key not in seen:  # ReLU's output is also
-                seen.add(key)                                         # the next Linear's input
+                seen.add(key)  # the next Linear's input
                 self.held[microbatch] += t.numel() * t.element_size()
             return t
 
@@ -145,11 +156,17 @@ class EventLog:
     def time(self, kind: str, microbatch: int):
         start, cpu = time.perf_counter(), cpu_seconds(self.threads)
         yield
-        sync(self.device)                # GPU kernels are asynchronous: wait before reading
+        sync(self.device)  # GPU kernels are asynchronous: wait before reading
         self.cpu_s += cpu_seconds(self.threads) - cpu
-        self.events.append({"stage": self.stage, "microbatch": int(microbatch), "kind": kind,
-                            "start": start + self.offset_s,
-                            "end": time.perf_counter() + self.offset_s})
+        self.events.append(
+            {
+                "stage": self.stage,
+                "microbatch": int(microbatch),
+                "kind": kind,
+                "start": start + self.offset_s,
+                "end": time.perf_counter() + self.offset_s,
+            }
+        )
 
 
 @dataclass
@@ -157,7 +174,7 @@ class StepOut:
     """What one schedule step on one stage returns."""
 
     log: EventLog
-    loss: float | None                  # the global batch's loss (last stage only)
+    loss: float | None  # the global batch's loss (last stage only)
     notes: list[str] = field(default_factory=list)
 
 
@@ -166,16 +183,27 @@ class StepOut:
 Schedule = Callable[[torch.Tensor | None, torch.Tensor | None], StepOut]
 
 
-def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedule, *,
-                 optimizer: torch.optim.Optimizer, meter: ActivationMeter, log: EventLog,
-                 schedule: str, impl: str, notes: list[str]) -> dict:
+def train_stages(
+    cfg: RunConfig,
+    ctx: RankContext,
+    stage: Stage,
+    step_fn: Schedule,
+    *,
+    optimizer: torch.optim.Optimizer,
+    meter: ActivationMeter,
+    log: EventLog,
+    schedule: str,
+    impl: str,
+    notes: list[str],
+) -> dict:
     """Warm up, then run ``cfg.steps`` measured steps of ``step_fn``; return this rank's result.
 
     Each step: fetch the global batch (data), meet every rank at a barrier and read the shared
     clock (this rank's step start), run the schedule, step the optimizer.
     """
-    data, _ = data_iter(cfg, Factories(), rank=0, world_size=1, batch_size=cfg.global_batch,
-                        dataset=stage.dataset)
+    data, _ = data_iter(
+        cfg, Factories(), rank=0, world_size=1, batch_size=cfg.global_batch, dataset=stage.dataset
+    )
     seed_rank_streams(cfg, ctx)
     total, records = cfg.warmup + cfg.steps, []
     progress = Progress(ctx, cfg.steps)
@@ -184,7 +212,7 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
         meter.reset()
         sched0 = sched.read()
         t_start = time.perf_counter()
-        x, y = next(data)               # every stage draws it, so all stay on single's order
+        x, y = next(data)  # every stage draws it, so all stay on single's order
         x = x.to(ctx.device) if stage.first else None
         y = y.to(ctx.device) if stage.last else None
         t_data = time.perf_counter()
@@ -198,34 +226,55 @@ def train_stages(cfg: RunConfig, ctx: RankContext, stage: Stage, step_fn: Schedu
         optimizer.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         if i < cfg.warmup:
-            continue                    # progress counts measured steps only
+            continue  # progress counts measured steps only
         events = list(out.log.events)
         fwd = sum(e["end"] - e["start"] for e in events if e["kind"] == "F")
         bwd = sum(e["end"] - e["start"] for e in events if e["kind"] == "B")
         cpu_share = sched.share(sched0, sched.read())
-        if cpu_share is None:           # no schedstat: the thread's CPU time while computing
+        if cpu_share is None:  # no schedstat: the thread's CPU time while computing
             cpu_share = out.log.cpu_s / (fwd + bwd) if ctx.device.type == "cpu" else float("nan")
         step_s, data_s, opt_s = t_end - t_start, t_data - t_start, t_end - t_sched
-        records.append({
-            "strategy": cfg.strategy, "world_size": cfg.world_size, "rank": ctx.rank,
-            "device": str(ctx.device), "global_batch": cfg.global_batch, "step": i - cfg.warmup,
-            "threads": log.threads,
-            # the global batch's loss lives on the last stage; the others have none
-            "shard_loss": out.loss if out.loss is not None else float("nan"),
-            "samples": cfg.global_batch, "data_s": data_s, "forward_s": fwd, "backward_s": bwd,
-            # barrier, recv waits, send completion and schedule bookkeeping: the rest of the step
-            "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s), "sync_overhead_s": 0.0,
-            "optimizer_s": opt_s, "step_s": step_s, "start_s": t0 + log.offset_s,
-            "peak_mem_bytes": peak_memory(ctx.device),
-            "comm_bytes": _comm_bytes(stage, cfg.microbatches),
-            "stage": stage.index, "microbatches": cfg.microbatches, "schedule": schedule,
-            "impl": impl, "activations_peak": meter.peak_count,
-            "activation_bytes_peak": meter.peak_bytes, "compute_cpu_share": cpu_share,
-            "events": events})
+        records.append(
+            {
+                "strategy": cfg.strategy,
+                "world_size": cfg.world_size,
+                "rank": ctx.rank,
+                "device": str(ctx.device),
+                "global_batch": cfg.global_batch,
+                "step": i - cfg.warmup,
+                "threads": log.threads,
+                # the global batch's loss lives on the last stage; the others have none
+                "shard_loss": out.loss if out.loss is not None else float("nan"),
+                "samples": cfg.global_batch,
+                "data_s": data_s,
+                "forward_s": fwd,
+                "backward_s": bwd,
+                # barrier, recv waits, send completion and schedule bookkeeping: the rest of the
+                # step
+                "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s),
+                "sync_overhead_s": 0.0,
+                "optimizer_s": opt_s,
+                "step_s": step_s,
+                "start_s": t0 + log.offset_s,
+                "peak_mem_bytes": peak_memory(ctx.device),
+                "comm_bytes": _comm_bytes(stage, cfg.microbatches),
+                "stage": stage.index,
+                "microbatches": cfg.microbatches,
+                "schedule": schedule,
+                "impl": impl,
+                "activations_peak": meter.peak_count,
+                "activation_bytes_peak": meter.peak_bytes,
+                "compute_cpu_share": cpu_share,
+                "events": events,
+            }
+        )
         notes.extend(n for n in out.notes if n not in notes)
         progress(i + 1 - cfg.warmup, out.loss, cfg.global_batch if stage.last else 0)
-    return {"records": records, "notes": notes,
-            "params": _whole_names(stage, final_state(cfg, stage.module))}
+    return {
+        "records": records,
+        "notes": notes,
+        "params": _whole_names(stage, final_state(cfg, stage.module)),
+    }
 
 
 def _whole_names(stage: Stage, state: dict | None) -> dict | None:

@@ -8,6 +8,7 @@ then broadcasts it, so every rank ends the step with the same full parameters. M
 optimizer. Communication per step: DDP's all-reduce of the gradients, plus the broadcast of
 every parameter from the rank that owns it (``comm_bytes`` counts both payloads).
 """
+
 from __future__ import annotations
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -21,10 +22,12 @@ from . import ddp
 def zero_optimizer(cfg: RunConfig, fns: Factories):
     """Wrap the run's optimizer (yours or labkit's) in ZeroRedundancyOptimizer: its class and
     hyper-parameters are read from one instance built the usual way (it holds no state yet)."""
+
     def make(params):
         params = list(params)
         plain = fns.optimizer(cfg, params)
         return ZeroRedundancyOptimizer(params, optimizer_class=type(plain), **plain.defaults)
+
     return make
 
 

@@ -1,5 +1,6 @@
 """ipywidgets panels: one shared background-run mechanism (``base.BackgroundRun``) and one
 module per lab's panel."""
+
 from .balance_panel import BalancePanel, balance_panel
 from .base import BackgroundRun, mime_output
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
@@ -10,7 +11,26 @@ from .run_panel import RunPanel, run_panel, world_sizes_upto
 from .sched_panel import SchedPanel, sched_panel
 from .sync_panel import SyncPanel, sync_panel
 
-__all__ = ["BackgroundRun", "mime_output", "RunPanel", "run_panel", "world_sizes_upto",
-           "PipelinePanel", "pipeline_panel", "last_step_events", "CommPanel", "WhatIfPanel",
-           "comm_panel", "BalancePanel", "balance_panel", "MemoryPanel", "memory_panel",
-           "SyncPanel", "sync_panel", "ElasticPanel", "elastic_panel", "SchedPanel", "sched_panel"]
+__all__ = [
+    "BackgroundRun",
+    "mime_output",
+    "RunPanel",
+    "run_panel",
+    "world_sizes_upto",
+    "PipelinePanel",
+    "pipeline_panel",
+    "last_step_events",
+    "CommPanel",
+    "WhatIfPanel",
+    "comm_panel",
+    "BalancePanel",
+    "balance_panel",
+    "MemoryPanel",
+    "memory_panel",
+    "SyncPanel",
+    "sync_panel",
+    "ElasticPanel",
+    "elastic_panel",
+    "SchedPanel",
+    "sched_panel",
+]

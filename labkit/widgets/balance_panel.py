@@ -1,6 +1,7 @@
 """The load-balancing panel: a slowdown slider per rank, a policy picker, data skew and steps,
 Run/Stop, live per-rank progress (with each rank's share of the batch), then the table of every
 run so far and the charts of who computed, who waited, and how the shares moved."""
+
 from __future__ import annotations
 
 import threading
@@ -20,20 +21,31 @@ class BalancePanel(BackgroundRun):
     def __init__(self, base: RunConfig, factories: dict | None = None):
         super().__init__()
         self.base, self.factories = base.replace(strategy="ddp_naive"), factories or {}
-        self.finished: list[pd.DataFrame] = []           # records of every run, in order
+        self.finished: list[pd.DataFrame] = []  # records of every run, in order
         style = {"description_width": "initial"}
         given = {r: f for r, f, _ in base.slowdown}
-        self.slow = [W.FloatSlider(value=given.get(r, 1.0), min=1.0, max=4.0, step=0.25,
-                                   description=f"rank {r} slowdown", style=style,
-                                   readout_format=".2f")
-                     for r in range(base.world_size)]
-        self.policy = W.ToggleButtons(options=list(REBALANCE), value=base.rebalance,
-                                      description="policy", style=style)
-        self.skew = W.FloatSlider(value=base.skew, min=0.0, max=2.0, step=0.25,
-                                  description="data skew", style=style)
+        self.slow = [
+            W.FloatSlider(
+                value=given.get(r, 1.0),
+                min=1.0,
+                max=4.0,
+                step=0.25,
+                description=f"rank {r} slowdown",
+                style=style,
+                readout_format=".2f",
+            )
+            for r in range(base.world_size)
+        ]
+        self.policy = W.ToggleButtons(
+            options=list(REBALANCE), value=base.rebalance, description="policy", style=style
+        )
+        self.skew = W.FloatSlider(
+            value=base.skew, min=0.0, max=2.0, step=0.25, description="data skew", style=style
+        )
         self.steps = W.IntSlider(value=base.steps, min=5, max=60, step=5, description="steps")
-        self.controls = W.VBox([W.HBox([W.VBox(self.slow), W.VBox([self.skew, self.steps])]),
-                                self.policy])
+        self.controls = W.VBox(
+            [W.HBox([W.VBox(self.slow), W.VBox([self.skew, self.steps])]), self.policy]
+        )
         self.widget = self.layout()
         for control in (*self.slow, self.policy, self.skew, self.steps):
             control.observe(lambda _: self.check_controls(), names="value")
@@ -41,17 +53,19 @@ class BalancePanel(BackgroundRun):
 
     def config(self) -> RunConfig:
         slow = tuple((r, s.value, None) for r, s in enumerate(self.slow) if s.value > 1)
-        return self.base.replace(slowdown=slow, rebalance=self.policy.value,
-                                 skew=self.skew.value, steps=self.steps.value)
+        return self.base.replace(
+            slowdown=slow, rebalance=self.policy.value, skew=self.skew.value, steps=self.steps.value
+        )
 
     def plan(self) -> str:
-        return experiment.config_label(self.config())        # raises ValueError with the fix
+        return experiment.config_label(self.config())  # raises ValueError with the fix
 
     def execute(self, cancel: threading.Event) -> pd.DataFrame:
         cfg = self.config()
         self._bars = self.progress_bars([f"rank {r}" for r in range(cfg.ranks)], cfg.steps)
-        res = experiment.run(cfg, on_progress=lambda r, m: self._progress(cfg, r, m),
-                             cancel=cancel, **self.factories)
+        res = experiment.run(
+            cfg, on_progress=lambda r, m: self._progress(cfg, r, m), cancel=cancel, **self.factories
+        )
         self.finished.append(res.records)
         return self.records
 
@@ -70,15 +84,23 @@ class BalancePanel(BackgroundRun):
         table = experiment.summarize(records)
         note = report.busy_note(table)
         latest = self.finished[-1]
-        return ([report.people_table(table)] + ([f"<p style='color:#b00'>{note}</p>"] if note else [])
-                + [charts.rank_timeline(latest), charts.rank_utilisation(records),
-                   charts.shares_over_time(records)])
+        return (
+            [report.people_table(table)]
+            + ([f"<p style='color:#b00'>{note}</p>"] if note else [])
+            + [
+                charts.rank_timeline(latest),
+                charts.rank_utilisation(records),
+                charts.shares_over_time(records),
+            ]
+        )
 
     def done_message(self, records: pd.DataFrame) -> str:
         row = experiment.summarize(self.finished[-1]).iloc[0]
-        return (f"done: {row['run']}: {row['throughput_fraction']:.0%} of the ideal throughput, "
-                f"ranks waited {row['wait_share']:.0%} of the time ({len(self.finished)} run(s) "
-                f"in the table)")
+        return (
+            f"done: {row['run']}: {row['throughput_fraction']:.0%} of the ideal throughput, "
+            f"ranks waited {row['wait_share']:.0%} of the time ({len(self.finished)} run(s) "
+            f"in the table)"
+        )
 
     def _progress(self, cfg: RunConfig, rank: int, metrics: dict) -> None:
         bar, text = self._bars[rank]
@@ -87,8 +109,9 @@ class BalancePanel(BackgroundRun):
         text.value = f"step {metrics['step']}/{metrics['total']}, share {share:.0%}"
 
 
-def balance_panel(base: RunConfig | None = None, *, run_now: bool = False,
-                  **factories) -> BalancePanel:
+def balance_panel(
+    base: RunConfig | None = None, *, run_now: bool = False, **factories
+) -> BalancePanel:
     """Build the panel (``base``: a ddp_naive config; its slowdown, policy and skew preset the
     controls). ``run_now=True`` runs the preset once before returning."""
     panel = BalancePanel(base or RunConfig(strategy="ddp_naive", slowdown="1:2"), factories)

@@ -16,6 +16,7 @@ ipywidgets 8.1.9, plotly 7.1, in headless Chromium 156):
   wraps the handler ipykernel restores (``kernel.saved_sigint_handler``): on SIGINT it stops
   every running panel, then does what ipykernel would have done.
 """
+
 from __future__ import annotations
 
 import html
@@ -29,7 +30,7 @@ import pandas as pd
 
 from ..launch import LaunchCancelled
 
-_RUNNING: set["BackgroundRun"] = set()      # panels with a run under way (for the interrupt)
+_RUNNING: set[BackgroundRun] = set()  # panels with a run under way (for the interrupt)
 _LISTENING = False
 
 
@@ -38,6 +39,7 @@ def _listen_for_interrupt() -> None:
     global _LISTENING
     try:
         from IPython import get_ipython
+
         kernel = getattr(get_ipython(), "kernel", None)
     except ImportError:
         kernel = None
@@ -52,7 +54,7 @@ def _listen_for_interrupt() -> None:
             idle(signum, frame)
 
     if hasattr(kernel, "saved_sigint_handler"):
-        kernel.saved_sigint_handler = on_interrupt   # restored when this cell or click returns
+        kernel.saved_sigint_handler = on_interrupt  # restored when this cell or click returns
     else:
         signal.signal(signal.SIGINT, on_interrupt)
     _LISTENING = True
@@ -60,15 +62,21 @@ def _listen_for_interrupt() -> None:
 
 def mime_output(obj: Any) -> dict:
     """One display_data output for an Output widget's ``outputs`` trait."""
-    if hasattr(obj, "to_plotly_json"):                # a plotly figure
+    if hasattr(obj, "to_plotly_json"):  # a plotly figure
         title = obj.layout.title.text if obj.layout.title else None
-        data = {"application/vnd.plotly.v1+json": {**json.loads(obj.to_json()),
-                                                   "config": {"responsive": True}},
-                "text/plain": f"<plotly figure: {title or 'untitled'}>"}
+        data = {
+            "application/vnd.plotly.v1+json": {
+                **json.loads(obj.to_json()),
+                "config": {"responsive": True},
+            },
+            "text/plain": f"<plotly figure: {title or 'untitled'}>",
+        }
     elif isinstance(obj, pd.DataFrame):
         table = obj.to_html(index=False, border=0, classes="labkit-table")
-        data = {"text/html": f"<div style='overflow-x:auto; font-size:12px'>{table}</div>",
-                "text/plain": obj.to_string(index=False)}
+        data = {
+            "text/html": f"<div style='overflow-x:auto; font-size:12px'>{table}</div>",
+            "text/plain": obj.to_string(index=False),
+        }
     else:
         data = {"text/html": str(obj), "text/plain": html.unescape(str(obj))}
     return {"output_type": "display_data", "data": data, "metadata": {}}
@@ -96,8 +104,9 @@ class BackgroundRun:
         buttons = W.VBox([self.run_button, self.stop_button])
         return W.VBox([W.HBox([self.controls, buttons]), self.status, self.bars, self.out])
 
-    def _ipython_display_(self):             # a panel as a cell's last line shows the widget
+    def _ipython_display_(self):  # a panel as a cell's last line shows the widget
         from IPython.display import display
+
         display(self.widget)
 
     # ---- what a click does ------------------------------------------------------------------
@@ -136,7 +145,7 @@ class BackgroundRun:
         self.error, self.stopped_by = None, None
         try:
             description = self.plan()
-        except ValueError as exc:                  # bad input: said before anything runs
+        except ValueError as exc:  # bad input: said before anything runs
             self._fail(exc)
             return None
         self.bars.children = []
@@ -150,11 +159,13 @@ class BackgroundRun:
             return results
         except LaunchCancelled:
             kept = self.partial()
-            if kept is not None:                   # runs that finished are never thrown away
+            if kept is not None:  # runs that finished are never thrown away
                 self.show(*self.render(kept))
-            self.status.value = (f"<b>stopped</b> by {self.stopped_by or 'Stop'}: every rank was "
-                                 f"terminated{'; showing the runs that had finished' if kept is not None else ''}")
-        except Exception as exc:                   # shown in the panel; kept for the caller
+            self.status.value = (
+                f"<b>stopped</b> by {self.stopped_by or 'Stop'}: every rank was "
+                f"terminated{'; showing the runs that had finished' if kept is not None else ''}"
+            )
+        except Exception as exc:  # shown in the panel; kept for the caller
             self._fail(exc)
         finally:
             _RUNNING.discard(self)
@@ -168,14 +179,16 @@ class BackgroundRun:
         except ValueError as exc:
             self.run_button.disabled = True
             self.bars.children = []
-            self.status.value = f"<span style='color:#b00'>cannot run: {html.escape(str(exc))}</span>"
+            self.status.value = (
+                f"<span style='color:#b00'>cannot run: {html.escape(str(exc))}</span>"
+            )
             return
         self.run_button.disabled = bool(self._thread and self._thread.is_alive())
         self.status.value = f"ready: {plan}" + note
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
-        self.bars.children = []                    # no stale progress under an error
+        self.bars.children = []  # no stale progress under an error
         self.status.value = f"<b style='color:#b00'>error</b>: {html.escape(str(exc))}"
 
     # ---- drawing ------------------------------------------------------------------------------
@@ -185,9 +198,19 @@ class BackgroundRun:
         self.out.outputs = tuple(mime_output(o) for o in objs)
 
     def progress_bars(self, labels: list[str], total: int) -> list[tuple[W.IntProgress, W.HTML]]:
-        rows = [(W.IntProgress(value=0, max=total, description=label,
-                               style={"description_width": "initial"},
-                               layout={"width": "420px"}), W.HTML()) for label in labels]
+        rows = [
+            (
+                W.IntProgress(
+                    value=0,
+                    max=total,
+                    description=label,
+                    style={"description_width": "initial"},
+                    layout={"width": "420px"},
+                ),
+                W.HTML(),
+            )
+            for label in labels
+        ]
         self.bars.children = [W.HBox(list(r)) for r in rows]
         return rows
 

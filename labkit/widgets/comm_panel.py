@@ -1,6 +1,7 @@
 """The communication panel: DDP's knobs (bucket size, compression hook, gradient accumulation,
 world size), Run/Stop, live per-rank progress; every run joins a table and a chart of step
 time, exposed communication and bytes per sample, with the predictor's step beside each."""
+
 from __future__ import annotations
 
 import threading
@@ -15,44 +16,82 @@ from ..env import oversubscription, probe
 from ..plots import communication as charts
 from .base import BackgroundRun
 
-BUCKETS = {"DDP default (25 MB, first 1 MiB)": None, "1 MB": 1.0, "5 MB": 5.0, "25 MB": 25.0,
-           "100 MB": 100.0}
+BUCKETS = {
+    "DDP default (25 MB, first 1 MiB)": None,
+    "1 MB": 1.0,
+    "5 MB": 5.0,
+    "25 MB": 25.0,
+    "100 MB": 100.0,
+}
 
 
 class CommPanel(BackgroundRun):
     """Knobs of one DDP run; Run adds it to the comparison (Clear starts over)."""
 
-    def __init__(self, base: RunConfig, profile=None, network=None,
-                 factories: dict | None = None, max_world_size: int | None = None):
+    def __init__(
+        self,
+        base: RunConfig,
+        profile=None,
+        network=None,
+        factories: dict | None = None,
+        max_world_size: int | None = None,
+    ):
         super().__init__()
         self.base, self.profile, self.network = base, profile, network
         self.factories = factories or {}
         env = probe()
         self.device = env.device
-        top = max_world_size or (env.max_world_size if env.device == "cuda"
-                                 else max(2, 2 * env.max_world_size))
-        self.results: list = []                    # every finished run, in order
+        top = max_world_size or (
+            env.max_world_size if env.device == "cuda" else max(2, 2 * env.max_world_size)
+        )
+        self.results: list = []  # every finished run, in order
         style = {"description_width": "initial"}
-        self.world = W.IntSlider(value=min(base.world_size, top), min=2, max=max(2, top),
-                                 description="world size", style=style)
+        self.world = W.IntSlider(
+            value=min(base.world_size, top),
+            min=2,
+            max=max(2, top),
+            description="world size",
+            style=style,
+        )
         self.bucket = W.Dropdown(options=list(BUCKETS), description="bucket", style=style)
-        self.hook = W.Dropdown(options=["none", "fp16", "bf16", "powersgd"], value=base.comm_hook,
-                               description="comm hook", style=style)
-        self.rank = W.Dropdown(options=[1, 2, 4], value=base.powersgd_rank,
-                               description="PowerSGD rank", style=style, disabled=True)
-        self.accumulate = W.IntSlider(value=base.accumulate, min=1, max=8,
-                                      description="accumulate", style=style)
-        self.sync_every = W.Checkbox(value=base.sync_every_microstep,
-                                     description="sync every micro-batch (no no_sync)")
+        self.hook = W.Dropdown(
+            options=["none", "fp16", "bf16", "powersgd"],
+            value=base.comm_hook,
+            description="comm hook",
+            style=style,
+        )
+        self.rank = W.Dropdown(
+            options=[1, 2, 4],
+            value=base.powersgd_rank,
+            description="PowerSGD rank",
+            style=style,
+            disabled=True,
+        )
+        self.accumulate = W.IntSlider(
+            value=base.accumulate, min=1, max=8, description="accumulate", style=style
+        )
+        self.sync_every = W.Checkbox(
+            value=base.sync_every_microstep, description="sync every micro-batch (no no_sync)"
+        )
         self.steps = W.IntSlider(value=base.steps, min=5, max=100, step=5, description="steps")
         self.clear_button = W.Button(description="Clear", icon="trash")
         self.clear_button.on_click(lambda _: self.clear())
-        self.controls = W.HBox([W.VBox([self.world, self.bucket, self.hook, self.rank]),
-                                W.VBox([self.accumulate, self.sync_every, self.steps,
-                                        self.clear_button])])
+        self.controls = W.HBox(
+            [
+                W.VBox([self.world, self.bucket, self.hook, self.rank]),
+                W.VBox([self.accumulate, self.sync_every, self.steps, self.clear_button]),
+            ]
+        )
         self.widget = self.layout()
-        for control in (self.world, self.bucket, self.hook, self.rank, self.accumulate,
-                        self.sync_every, self.steps):
+        for control in (
+            self.world,
+            self.bucket,
+            self.hook,
+            self.rank,
+            self.accumulate,
+            self.sync_every,
+            self.steps,
+        ):
             control.observe(lambda _: self._check_controls(), names="value")
         self._check_controls()
 
@@ -61,14 +100,19 @@ class CommPanel(BackgroundRun):
         batch k times larger (the memory of one micro-batch, the update of k)."""
         micro = self.base.global_batch // self.base.world_size
         return self.base.replace(
-            strategy="ddp", world_size=self.world.value, steps=self.steps.value,
+            strategy="ddp",
+            world_size=self.world.value,
+            steps=self.steps.value,
             global_batch=micro * self.world.value * self.accumulate.value,
-            bucket_cap_mb=BUCKETS[self.bucket.value], comm_hook=self.hook.value,
-            powersgd_rank=self.rank.value, accumulate=self.accumulate.value,
-            sync_every_microstep=self.sync_every.value)
+            bucket_cap_mb=BUCKETS[self.bucket.value],
+            comm_hook=self.hook.value,
+            powersgd_rank=self.rank.value,
+            accumulate=self.accumulate.value,
+            sync_every_microstep=self.sync_every.value,
+        )
 
     def plan(self) -> str:
-        return knob_label(self.config())           # RunConfig raises ValueError with the fix
+        return knob_label(self.config())  # RunConfig raises ValueError with the fix
 
     def _check_controls(self) -> None:
         self.rank.disabled = self.hook.value != "powersgd"
@@ -92,8 +136,11 @@ class CommPanel(BackgroundRun):
             text.value = f"step {metrics['step']}/{metrics['total']}"
             latest = live.update(rank, metrics)
             if latest is not None:
-                self.status.value = (f"running <b>{knob_label(cfg)}</b>: step {latest[0]}, "
-                                     f"loss {latest[1]:.4f} (global batch)")
+                self.status.value = (
+                    f"running <b>{knob_label(cfg)}</b>: step {latest[0]}, "
+                    f"loss {latest[1]:.4f} (global batch)"
+                )
+
         result = experiment.run(cfg, on_progress=progress, cancel=cancel, **self.factories)
         self.results.append(result)
         return self.results
@@ -108,23 +155,46 @@ class CommPanel(BackgroundRun):
     def render(self, results) -> list:
         table = knob_rows(results, self.profile, self.network)
         notes = sorted({n for r in results for n in r.notes})
-        shown = table.round({"step_ms": 1, "comm_ms": 1, "compute_ms": 1, "comm_total_ms": 1,
-                             "hidden_ms": 1, "bytes_per_sample": 0, "loss": 4,
-                             "predicted_step_ms": 1, "predicted_exposed_ms": 1,
-                             "predicted_hidden_ms": 1, "error": 2, "cpu_share": 2})
+        shown = table.round(
+            {
+                "step_ms": 1,
+                "comm_ms": 1,
+                "compute_ms": 1,
+                "comm_total_ms": 1,
+                "hidden_ms": 1,
+                "bytes_per_sample": 0,
+                "loss": 4,
+                "predicted_step_ms": 1,
+                "predicted_exposed_ms": 1,
+                "predicted_hidden_ms": 1,
+                "error": 2,
+                "cpu_share": 2,
+            }
+        )
         return [shown] + [f"<p>{n}</p>" for n in notes] + [charts.knobs(table)]
 
     def done_message(self, results) -> str:
         t = knob_rows(results[-1:], self.profile, self.network).iloc[0]
-        pred = (f"; predicted {t['predicted_step_ms']:.1f} ms ({t['error']:+.0%})"
-                if "predicted_step_ms" in t and pd.notna(t["predicted_step_ms"]) else "")
+        pred = (
+            f"; predicted {t['predicted_step_ms']:.1f} ms ({t['error']:+.0%})"
+            if "predicted_step_ms" in t and pd.notna(t["predicted_step_ms"])
+            else ""
+        )
         busy = " <b style='color:#b00'>(machine busy: not comparable)</b>" if t["busy"] else ""
-        return (f"done: {t['config']}: step {t['step_ms']:.1f} ms, exposed comm "
-                f"{t['comm_ms']:.1f} ms{pred}{busy}")
+        return (
+            f"done: {t['config']}: step {t['step_ms']:.1f} ms, exposed comm "
+            f"{t['comm_ms']:.1f} ms{pred}{busy}"
+        )
 
 
-def comm_panel(base: RunConfig | None = None, *, profile=None, network=None,
-               max_world_size: int | None = None, **factories) -> CommPanel:
+def comm_panel(
+    base: RunConfig | None = None,
+    *,
+    profile=None,
+    network=None,
+    max_world_size: int | None = None,
+    **factories,
+) -> CommPanel:
     """Build the panel; display it, then ``panel.run()`` runs the current knobs once."""
     return CommPanel(base or RunConfig(), profile, network, factories, max_world_size)
 
@@ -135,39 +205,74 @@ class WhatIfPanel:
 
     def __init__(self, profile, network=None, strategy: str = "ddp", **knobs):
         from ..predict.whatif import DEVICES, INTERCONNECTS
+
         self.profile, self.network, self.strategy, self.knobs = profile, network, strategy, knobs
         nets = (["this machine (measured)"] if network is not None else []) + list(INTERCONNECTS)
         style = {"description_width": "initial"}
-        self.devices = W.SelectMultiple(options=list(DEVICES), value=tuple(DEVICES)[:1],
-                                        description="device", rows=2, style=style)
-        self.interconnects = W.SelectMultiple(options=nets, value=tuple(nets[:3]), rows=len(nets),
-                                              description="interconnect", style=style)
-        self.world = W.SelectionSlider(options=[2 ** k for k in range(1, 11)], value=1024,
-                                       description="up to world size", style=style)
-        self.metric = W.Dropdown(options=[("scaling efficiency", "efficiency"),
-                                          ("step time (ms)", "step_ms"),
-                                          ("samples / s", "samples_per_s")],
-                                 description="show", style=style)
+        self.devices = W.SelectMultiple(
+            options=list(DEVICES),
+            value=tuple(DEVICES)[:1],
+            description="device",
+            rows=2,
+            style=style,
+        )
+        self.interconnects = W.SelectMultiple(
+            options=nets,
+            value=tuple(nets[:3]),
+            rows=len(nets),
+            description="interconnect",
+            style=style,
+        )
+        self.world = W.SelectionSlider(
+            options=[2**k for k in range(1, 11)],
+            value=1024,
+            description="up to world size",
+            style=style,
+        )
+        self.metric = W.Dropdown(
+            options=[
+                ("scaling efficiency", "efficiency"),
+                ("step time (ms)", "step_ms"),
+                ("samples / s", "samples_per_s"),
+            ],
+            description="show",
+            style=style,
+        )
         self.out, self.status = W.Output(), W.HTML()
         for control in (self.devices, self.interconnects, self.world, self.metric):
             control.observe(lambda _: self.redraw(), names="value")
-        self.widget = W.VBox([W.HBox([self.devices, self.interconnects,
-                                      W.VBox([self.world, self.metric])]), self.status, self.out])
+        self.widget = W.VBox(
+            [
+                W.HBox([self.devices, self.interconnects, W.VBox([self.world, self.metric])]),
+                self.status,
+                self.out,
+            ]
+        )
         self.rows: pd.DataFrame | None = None
         self.redraw()
 
     def _ipython_display_(self):
         from IPython.display import display
+
         display(self.widget)
 
     def redraw(self) -> None:
         from ..predict.whatif import scenario_rows
         from .base import mime_output
-        sizes = [1] + [2 ** k for k in range(1, self.world.value.bit_length())]
+
+        sizes = [1] + [2**k for k in range(1, self.world.value.bit_length())]
         try:
-            self.rows = pd.DataFrame(scenario_rows(
-                self.profile, self.network, list(self.devices.value),
-                list(self.interconnects.value), sizes, self.strategy, **self.knobs))
+            self.rows = pd.DataFrame(
+                scenario_rows(
+                    self.profile,
+                    self.network,
+                    list(self.devices.value),
+                    list(self.interconnects.value),
+                    sizes,
+                    self.strategy,
+                    **self.knobs,
+                )
+            )
         except ValueError as exc:
             self.status.value = f"<span style='color:#b00'>{exc}</span>"
             return
@@ -175,6 +280,8 @@ class WhatIfPanel:
             self.status.value = "pick at least one device and one interconnect"
             self.out.outputs = ()
             return
-        self.status.value = (f"predicted {self.strategy}, {self.profile.batch} samples per rank "
-                             f"(weak scaling), from {self.profile.source}")
+        self.status.value = (
+            f"predicted {self.strategy}, {self.profile.batch} samples per rank "
+            f"(weak scaling), from {self.profile.source}"
+        )
         self.out.outputs = (mime_output(charts.whatif(self.rows, self.metric.value)),)

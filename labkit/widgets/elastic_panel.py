@@ -1,6 +1,7 @@
 """The elastic panel: Run starts a torchrun job with one node; while it trains, buttons add a
 node, remove one, or kill a worker, and the chart of world size, loss and throughput redraws
 about once a second. When the job ends: the table of every change (steps lost, re-form time)."""
+
 from __future__ import annotations
 
 import html
@@ -24,21 +25,33 @@ class ElasticPanel(BackgroundRun):
         super().__init__()
         self.base, self.redraw_s, self.job = base.replace(strategy="ddp"), redraw_s, None
         style = {"description_width": "initial"}
-        self.steps = W.IntSlider(value=base.steps, min=20, max=5000, step=20,
-                                 description="steps", style=style)
-        self.every = W.IntSlider(value=max(1, base.checkpoint_every or 10), min=1, max=200,
-                                 description="checkpoint every", style=style)
-        self.nodes = W.IntSlider(value=max_nodes, min=1, max=4, description="most nodes",
-                                 style=style)
+        self.steps = W.IntSlider(
+            value=base.steps, min=20, max=5000, step=20, description="steps", style=style
+        )
+        self.every = W.IntSlider(
+            value=max(1, base.checkpoint_every or 10),
+            min=1,
+            max=200,
+            description="checkpoint every",
+            style=style,
+        )
+        self.nodes = W.IntSlider(
+            value=max_nodes, min=1, max=4, description="most nodes", style=style
+        )
         self.add_button = W.Button(description="Add a node", icon="plus", disabled=True)
         self.remove_button = W.Button(description="Remove a node", icon="minus", disabled=True)
-        self.kill_button = W.Button(description="Kill a worker", icon="bolt", disabled=True,
-                                    button_style="danger")
+        self.kill_button = W.Button(
+            description="Kill a worker", icon="bolt", disabled=True, button_style="danger"
+        )
         self.add_button.on_click(lambda _: self._act("add"))
         self.remove_button.on_click(lambda _: self._act("remove"))
         self.kill_button.on_click(lambda _: self._act("kill"))
-        self.controls = W.VBox([W.HBox([self.steps, self.every, self.nodes]),
-                                W.HBox([self.add_button, self.remove_button, self.kill_button])])
+        self.controls = W.VBox(
+            [
+                W.HBox([self.steps, self.every, self.nodes]),
+                W.HBox([self.add_button, self.remove_button, self.kill_button]),
+            ]
+        )
         self.widget = self.layout()
         for control in (self.steps, self.every, self.nodes):
             control.observe(lambda _: self.check_controls(), names="value")
@@ -49,14 +62,20 @@ class ElasticPanel(BackgroundRun):
 
     def plan(self) -> str:
         cfg = self.config()
-        ElasticJob.check(cfg, f"1:{self.nodes.value}", 1)       # raises ValueError with the fix
-        return (f"ddp on torchrun, nnodes 1:{self.nodes.value}, {cfg.steps} steps of global "
-                f"batch {cfg.global_batch}, a checkpoint every {self.every.value} steps")
+        ElasticJob.check(cfg, f"1:{self.nodes.value}", 1)  # raises ValueError with the fix
+        return (
+            f"ddp on torchrun, nnodes 1:{self.nodes.value}, {cfg.steps} steps of global "
+            f"batch {cfg.global_batch}, a checkpoint every {self.every.value} steps"
+        )
 
     def execute(self, cancel: threading.Event) -> ElasticJob:
-        job = self.job = ElasticJob(self.config(), nnodes=f"1:{self.nodes.value}",
-                                    max_restarts=10, checkpoint_every=self.every.value)
-        (bar, text), = self.progress_bars(["steps"], self.steps.value)
+        job = self.job = ElasticJob(
+            self.config(),
+            nnodes=f"1:{self.nodes.value}",
+            max_restarts=10,
+            checkpoint_every=self.every.value,
+        )
+        ((bar, text),) = self.progress_bars(["steps"], self.steps.value)
         self._buttons(True)
         try:
             job.add_agent()
@@ -69,12 +88,14 @@ class ElasticPanel(BackgroundRun):
                     if len(steps):
                         row = steps.iloc[-1]
                         bar.value = int(row["step"])
-                        text.value = (f"step {int(row['step'])}, world size "
-                                      f"{int(row['world_size'])}, attempt {int(row['attempt'])}")
+                        text.value = (
+                            f"step {int(row['step'])}, world size "
+                            f"{int(row['world_size'])}, attempt {int(row['attempt'])}"
+                        )
                         self.show(elastic_timeline(steps, job.events, job.t0))
                     last = time.time()
                 time.sleep(0.1)
-            job.wait(10)                  # raises ElasticError with the reason if it failed
+            job.wait(10)  # raises ElasticError with the reason if it failed
             return job
         finally:
             self._buttons(False)
@@ -91,10 +112,13 @@ class ElasticPanel(BackgroundRun):
 
     def done_message(self, job: ElasticJob) -> str:
         steps = job.steps()
-        sizes = " -> ".join(str(int(w)) for w in
-                            steps["world_size"][steps["world_size"].diff() != 0])
-        return (f"done: {int(steps['step'].max())} steps, world size {sizes}, "
-                f"{steps['attempt'].max() + 1} attempt(s)")
+        sizes = " -> ".join(
+            str(int(w)) for w in steps["world_size"][steps["world_size"].diff() != 0]
+        )
+        return (
+            f"done: {int(steps['step'].max())} steps, world size {sizes}, "
+            f"{steps['attempt'].max() + 1} attempt(s)"
+        )
 
     def _buttons(self, running: bool) -> None:
         for b in (self.add_button, self.remove_button, self.kill_button):
@@ -109,8 +133,9 @@ class ElasticPanel(BackgroundRun):
                 job.add_agent()
             elif what == "remove":
                 if len([a for a in job.agents if a.alive]) < 2:
-                    raise ValueError("only one node is running: removing it would end the job "
-                                     "(use Stop)")
+                    raise ValueError(
+                        "only one node is running: removing it would end the job (use Stop)"
+                    )
                 job.remove_agent()
             else:
                 job.kill_worker()
@@ -118,14 +143,25 @@ class ElasticPanel(BackgroundRun):
             self.status.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
 
 
-def elastic_panel(base: RunConfig | None = None, *, run_now: bool = False,
-                  max_nodes: int = 2) -> ElasticPanel:
+def elastic_panel(
+    base: RunConfig | None = None, *, run_now: bool = False, max_nodes: int = 2
+) -> ElasticPanel:
     """Build the panel (``base``: the model and batch; its steps and checkpoint_every preset
     the sliders). ``run_now=True`` runs the preset once, without changes, before returning."""
-    panel = ElasticPanel(base or RunConfig(strategy="ddp", steps=2000, warmup=0, width=64,
-                                           depth=2, global_batch=32, dataset_size=512,
-                                           pace_s=0.05),
-                         max_nodes=max_nodes)
+    panel = ElasticPanel(
+        base
+        or RunConfig(
+            strategy="ddp",
+            steps=2000,
+            warmup=0,
+            width=64,
+            depth=2,
+            global_batch=32,
+            dataset_size=512,
+            pace_s=0.05,
+        ),
+        max_nodes=max_nodes,
+    )
     if run_now:
         panel.run_or_raise()
     return panel

@@ -1,5 +1,6 @@
 """The pipeline panel: stages, micro-batches, schedule, implementation and steps, Run/Stop, live
 per-stage progress, then the last step's timeline measured, predicted and by the closed form."""
+
 from __future__ import annotations
 
 import threading
@@ -17,24 +18,37 @@ class PipelinePanel(BackgroundRun):
     def __init__(self, base: RunConfig, max_stages: int = 4, factories: dict | None = None):
         super().__init__()
         self.base = base
-        self.factories = factories or {}        # model_fn, data_fn, loss_fn, optimizer_fn
+        self.factories = factories or {}  # model_fn, data_fn, loss_fn, optimizer_fn
         self.result: experiment.RunResult | None = None
         self.figure = None
         style = {"description_width": "initial"}
-        self.stages = W.IntSlider(value=base.stages, min=1, max=max_stages, description="stages P",
-                                  style=style)
-        self.microbatches = W.Dropdown(options=[1, 2, 4, 8, 16], value=base.microbatches,
-                                       description="micro-batches M", style=style,
-                                       layout={"width": "220px"})
-        self.steps = W.IntSlider(value=base.steps, min=2, max=100, description="steps",
-                                 style=style)
-        self.schedule = W.Dropdown(options=list(PIPELINE_STRATEGIES), value=base.strategy,
-                                   description="schedule", style=style,
-                                   layout={"width": "260px"})
-        self.impl = W.ToggleButtons(options=["scratch", "torch"], value=base.pipeline_impl,
-                                    style={"button_width": "80px"})
-        self.controls = W.HBox([W.VBox([self.stages, self.microbatches, self.steps]),
-                                W.VBox([self.schedule, W.HBox([W.Label("impl"), self.impl])])])
+        self.stages = W.IntSlider(
+            value=base.stages, min=1, max=max_stages, description="stages P", style=style
+        )
+        self.microbatches = W.Dropdown(
+            options=[1, 2, 4, 8, 16],
+            value=base.microbatches,
+            description="micro-batches M",
+            style=style,
+            layout={"width": "220px"},
+        )
+        self.steps = W.IntSlider(value=base.steps, min=2, max=100, description="steps", style=style)
+        self.schedule = W.Dropdown(
+            options=list(PIPELINE_STRATEGIES),
+            value=base.strategy,
+            description="schedule",
+            style=style,
+            layout={"width": "260px"},
+        )
+        self.impl = W.ToggleButtons(
+            options=["scratch", "torch"], value=base.pipeline_impl, style={"button_width": "80px"}
+        )
+        self.controls = W.HBox(
+            [
+                W.VBox([self.stages, self.microbatches, self.steps]),
+                W.VBox([self.schedule, W.HBox([W.Label("impl"), self.impl])]),
+            ]
+        )
         self.widget = self.layout()
         for control in (self.stages, self.microbatches, self.steps, self.schedule, self.impl):
             control.observe(lambda _: self._check_controls(), names="value")
@@ -42,17 +56,22 @@ class PipelinePanel(BackgroundRun):
 
     def config(self) -> RunConfig:
         P, naive = self.stages.value, self.schedule.value == "model_parallel"
-        return self.base.replace(strategy=self.schedule.value, world_size=P, stages=P,
-                                 microbatches=1 if naive else self.microbatches.value,
-                                 steps=self.steps.value, pipeline_impl=self.impl.value)
+        return self.base.replace(
+            strategy=self.schedule.value,
+            world_size=P,
+            stages=P,
+            microbatches=1 if naive else self.microbatches.value,
+            steps=self.steps.value,
+            pipeline_impl=self.impl.value,
+        )
 
     def plan(self) -> str:
-        cfg = self.config()                        # raises ValueError with the fix
+        cfg = self.config()  # raises ValueError with the fix
         return f"{cfg.strategy} P={cfg.stages} M={cfg.microbatches} ({cfg.pipeline_impl})"
 
     def _check_controls(self) -> None:
         naive = self.schedule.value == "model_parallel"
-        self.microbatches.disabled = naive         # the naive split runs one micro-batch
+        self.microbatches.disabled = naive  # the naive split runs one micro-batch
         self.impl.disabled = naive
         self.check_controls()
 
@@ -70,11 +89,15 @@ class PipelinePanel(BackgroundRun):
 
     def render(self, result: experiment.RunResult) -> list:
         cfg = result.cfg
-        self.figure = timeline.gantt_vs_theory(last_step_events(result.records),
-                                               result.records["schedule"].iloc[0], cfg.stages,
-                                               cfg.microbatches)
-        notes = "".join(f"<p style='color:#555'>{n}</p>" for n in result.notes
-                        if "latency-bound" in n)
+        self.figure = timeline.gantt_vs_theory(
+            last_step_events(result.records),
+            result.records["schedule"].iloc[0],
+            cfg.stages,
+            cfg.microbatches,
+        )
+        notes = "".join(
+            f"<p style='color:#555'>{n}</p>" for n in result.notes if "latency-bound" in n
+        )
         return [notes, self.figure] if notes else [self.figure]
 
     def bubble(self) -> float:
@@ -84,8 +107,10 @@ class PipelinePanel(BackgroundRun):
     def done_message(self, result: experiment.RunResult) -> str:
         df = result.records
         predicted = experiment.step_bubbles(df, column="bubble_predicted").median()
-        return (f"done: {self.plan()}, median bubble measured {self.bubble():.2f}, predicted "
-                f"{predicted:.2f}, closed form {df['bubble_theory'].iloc[0]:.2f}")
+        return (
+            f"done: {self.plan()}, median bubble measured {self.bubble():.2f}, predicted "
+            f"{predicted:.2f}, closed form {df['bubble_theory'].iloc[0]:.2f}"
+        )
 
 
 def last_step_events(records) -> list[dict]:
@@ -94,8 +119,9 @@ def last_step_events(records) -> list[dict]:
     return [e for evs in last["events"] for e in evs]
 
 
-def pipeline_panel(base: RunConfig | None = None, *, run_now: bool = False,
-                   max_stages: int = 4, **factories) -> PipelinePanel:
+def pipeline_panel(
+    base: RunConfig | None = None, *, run_now: bool = False, max_stages: int = 4, **factories
+) -> PipelinePanel:
     """Build the panel. Display it, then ``panel.run()`` runs the default settings once in the
     cell; ``run_now=True`` runs them before returning instead. ``model_fn`` etc.: your own
     pieces (``labkit.factories``)."""

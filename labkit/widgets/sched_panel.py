@@ -1,6 +1,7 @@
 """The scheduling panel: arrival rate (as offered load), cluster size, priority mix, policies and
 trace length; Run simulates every chosen policy on one generated trace and draws the metrics
 table, the JCT distributions, mean/p95 JCT per policy and the Gantt of the first policy."""
+
 from __future__ import annotations
 
 import html
@@ -18,24 +19,52 @@ from .base import BackgroundRun
 class SchedPanel(BackgroundRun):
     """Sliders for the trace and cluster, a multi-select of policies; each Run re-simulates."""
 
-    def __init__(self, jobs: int = 300, load: float = 1.0, nodes: int = 4, gpus_per_node: int = 8,
-                 high_priority: float = 0.2, policies=("fifo", "las", "elastic"), seed: int = 0):
+    def __init__(
+        self,
+        jobs: int = 300,
+        load: float = 1.0,
+        nodes: int = 4,
+        gpus_per_node: int = 8,
+        high_priority: float = 0.2,
+        policies=("fifo", "las", "elastic"),
+        seed: int = 0,
+    ):
         super().__init__()
         style = {"description_width": "initial"}
-        self.load = W.FloatSlider(value=load, min=0.2, max=1.6, step=0.1, style=style,
-                                  description="arrival rate (offered load)")
+        self.load = W.FloatSlider(
+            value=load,
+            min=0.2,
+            max=1.6,
+            step=0.1,
+            style=style,
+            description="arrival rate (offered load)",
+        )
         self.nodes = W.IntSlider(value=nodes, min=1, max=32, description="nodes", style=style)
-        self.gpus = W.Dropdown(options=[1, 2, 4, 8], value=gpus_per_node,
-                               description="GPUs per node", style=style)
-        self.high = W.FloatSlider(value=high_priority, min=0.0, max=1.0, step=0.05, style=style,
-                                  description="high-priority share")
-        self.jobs = W.IntSlider(value=jobs, min=20, max=3000, step=20, description="jobs",
-                                style=style)
-        self.policies = W.SelectMultiple(options=list(POLICIES), value=tuple(policies),
-                                         description="policies", rows=len(POLICIES), style=style)
+        self.gpus = W.Dropdown(
+            options=[1, 2, 4, 8], value=gpus_per_node, description="GPUs per node", style=style
+        )
+        self.high = W.FloatSlider(
+            value=high_priority,
+            min=0.0,
+            max=1.0,
+            step=0.05,
+            style=style,
+            description="high-priority share",
+        )
+        self.jobs = W.IntSlider(
+            value=jobs, min=20, max=3000, step=20, description="jobs", style=style
+        )
+        self.policies = W.SelectMultiple(
+            options=list(POLICIES),
+            value=tuple(policies),
+            description="policies",
+            rows=len(POLICIES),
+            style=style,
+        )
         self.seed = seed
-        self.controls = W.HBox([W.VBox([self.load, self.nodes, self.gpus, self.high, self.jobs]),
-                                self.policies])
+        self.controls = W.HBox(
+            [W.VBox([self.load, self.nodes, self.gpus, self.high, self.jobs]), self.policies]
+        )
         self.table: pd.DataFrame | None = None
         self.runs: dict = {}
         self.widget = self.layout()
@@ -51,22 +80,31 @@ class SchedPanel(BackgroundRun):
             raise ValueError("pick at least one policy")
         c = self.cluster()
         if c.gpus < 8:
-            raise ValueError(f"the Philly mix has 8-GPU jobs: a cluster of {c.gpus} GPUs cannot "
-                             f"run them; add nodes or GPUs per node")
-        return (f"{self.jobs.value} jobs at {self.load.value:.0%} offered load, "
-                f"{self.high.value:.0%} high priority, on {c} ({c.gpus} GPUs): "
-                f"{', '.join(self.policies.value)}")
+            raise ValueError(
+                f"the Philly mix has 8-GPU jobs: a cluster of {c.gpus} GPUs cannot "
+                f"run them; add nodes or GPUs per node"
+            )
+        return (
+            f"{self.jobs.value} jobs at {self.load.value:.0%} offered load, "
+            f"{self.high.value:.0%} high priority, on {c} ({c.gpus} GPUs): "
+            f"{', '.join(self.policies.value)}"
+        )
 
     def execute(self, cancel: threading.Event):
         c = self.cluster()
-        jobs = traces.generate(self.jobs.value, rate_per_hour=traces.rate_for_load(self.load.value, c.gpus),
-                               seed=self.seed, high_priority=self.high.value,
-                               curves=("good", "poor"))
+        jobs = traces.generate(
+            self.jobs.value,
+            rate_per_hour=traces.rate_for_load(self.load.value, c.gpus),
+            seed=self.seed,
+            high_priority=self.high.value,
+            curves=("good", "poor"),
+        )
         rows, runs = [], {}
         bars = self.progress_bars(["policies"], len(self.policies.value))
         for i, p in enumerate(self.policies.value):
             if cancel.is_set():
                 from ..launch import LaunchCancelled
+
                 raise LaunchCancelled("stopped")
             runs[p] = sim.simulate(jobs, c, p)
             rows.append(runs[p].metrics())
@@ -75,19 +113,39 @@ class SchedPanel(BackgroundRun):
         return self.table
 
     def render(self, table: pd.DataFrame) -> list:
-        shown = table[["policy", "mean_jct_s", "p95_jct_s", "p99_jct_s", "mean_queue_s",
-                       "utilisation", "mean_rho", "max_rho", "gpu_hours", "restarts_per_job",
-                       "mean_jct_high_s", "mean_jct_low_s"]].copy()
+        shown = table[
+            [
+                "policy",
+                "mean_jct_s",
+                "p95_jct_s",
+                "p99_jct_s",
+                "mean_queue_s",
+                "utilisation",
+                "mean_rho",
+                "max_rho",
+                "gpu_hours",
+                "restarts_per_job",
+                "mean_jct_high_s",
+                "mean_jct_low_s",
+            ]
+        ].copy()
         for col in [c for c in shown if c.endswith("_s")]:
             shown[col.replace("_s", "_h")] = (shown.pop(col) / 3600).round(2)
         first = next(iter(self.runs))
-        return [f"<b>{html.escape(self.plan())}</b>", shown.round(3), charts.jct_cdf(self.runs), charts.policy_bars(table),
-                charts.gantt(self.runs[first], max_jobs=30)]
+        return [
+            f"<b>{html.escape(self.plan())}</b>",
+            shown.round(3),
+            charts.jct_cdf(self.runs),
+            charts.policy_bars(table),
+            charts.gantt(self.runs[first], max_jobs=30),
+        ]
 
     def done_message(self, table: pd.DataFrame) -> str:
         best = table.sort_values("mean_jct_s").iloc[0]
-        return (f"done: {len(table)} policies on {self.cluster()}; lowest mean JCT: "
-                f"{best['policy']} ({best['mean_jct_s'] / 3600:.1f} h)")
+        return (
+            f"done: {len(table)} policies on {self.cluster()}; lowest mean JCT: "
+            f"{best['policy']} ({best['mean_jct_s'] / 3600:.1f} h)"
+        )
 
 
 def sched_panel(*, run_now: bool = False, **settings) -> SchedPanel:

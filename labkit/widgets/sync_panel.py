@@ -1,6 +1,7 @@
 """The sync/async panel: pick modes, set a straggler (rank 1 computes N times slower), the
 averaging period H and the staleness-aware lr, press Run; every run so far goes into one
 to-target table, loss against wall time and bytes, and the staleness histogram."""
+
 from __future__ import annotations
 
 import threading
@@ -22,16 +23,26 @@ class SyncPanel(BackgroundRun):
         self.base, self.factories = base, factories or {}
         self.finished: list[pd.DataFrame] = []
         style = {"description_width": "initial"}
-        self.modes = W.SelectMultiple(options=list(SYNC_ASYNC), value=tuple(modes),
-                                      description="modes", rows=5, style=style)
-        self.straggler = W.FloatSlider(value=1.0, min=1.0, max=4.0, step=0.5, style=style,
-                                       description="rank 1 slowdown", readout_format=".1f")
-        self.period = W.IntSlider(value=base.period, min=1, max=16, description="period H",
-                                  style=style)
+        self.modes = W.SelectMultiple(
+            options=list(SYNC_ASYNC), value=tuple(modes), description="modes", rows=5, style=style
+        )
+        self.straggler = W.FloatSlider(
+            value=1.0,
+            min=1.0,
+            max=4.0,
+            step=0.5,
+            style=style,
+            description="rank 1 slowdown",
+            readout_format=".1f",
+        )
+        self.period = W.IntSlider(
+            value=base.period, min=1, max=16, description="period H", style=style
+        )
         self.staleness_lr = W.Checkbox(value=base.staleness_lr, description="staleness-aware lr")
         self.steps = W.IntSlider(value=base.steps, min=10, max=200, step=10, description="steps")
-        self.controls = W.HBox([self.modes, W.VBox([self.straggler, self.period,
-                                                    self.staleness_lr, self.steps])])
+        self.controls = W.HBox(
+            [self.modes, W.VBox([self.straggler, self.period, self.staleness_lr, self.steps])]
+        )
         self.widget = self.layout()
         for control in (self.modes, self.straggler, self.period, self.staleness_lr, self.steps):
             control.observe(lambda _: self.check_controls(), names="value")
@@ -40,8 +51,9 @@ class SyncPanel(BackgroundRun):
     def configs(self) -> list[RunConfig]:
         if not self.modes.value:
             raise ValueError("pick at least one mode")
-        base = self.base.replace(period=self.period.value, staleness_lr=self.staleness_lr.value,
-                                 steps=self.steps.value)
+        base = self.base.replace(
+            period=self.period.value, staleness_lr=self.staleness_lr.value, steps=self.steps.value
+        )
         return sync_async.sweep(base, self.modes.value, straggler=self.straggler.value)
 
     def plan(self) -> str:
@@ -51,9 +63,13 @@ class SyncPanel(BackgroundRun):
         configs = self.configs()
         labels = self._labels = [experiment.config_label(c) for c in configs]
         self._bars = dict(zip(labels, self.progress_bars(labels, self.steps.value)))
-        experiment.compare(configs, on_progress=self._progress, cancel=cancel,
-                           on_result=lambda res: self.finished.append(res.records),
-                           **self.factories)
+        experiment.compare(
+            configs,
+            on_progress=self._progress,
+            cancel=cancel,
+            on_result=lambda res: self.finished.append(res.records),
+            **self.factories,
+        )
         return self.records
 
     @property
@@ -70,28 +86,38 @@ class SyncPanel(BackgroundRun):
     def render(self, records: pd.DataFrame) -> list:
         table, target = self.table(records)
         curves = sync_async.updates(records)
-        out = [f"<b>to a loss of {target:.3f}</b> (smoothed; the same target for every run so "
-               f"far)", sync_async.people_table(table),
-               charts.loss_curves(curves, "time_s", target), charts.loss_curves(curves, "bytes",
-                                                                                target)]
+        out = [
+            f"<b>to a loss of {target:.3f}</b> (smoothed; the same target for every run so far)",
+            sync_async.people_table(table),
+            charts.loss_curves(curves, "time_s", target),
+            charts.loss_curves(curves, "bytes", target),
+        ]
         stale = sync_async.staleness(records)
         if len(stale):
             out.append(charts.staleness_histogram(stale))
         if table["busy"].any():
-            out.insert(2, "<p style='color:#b00'>the machine was busy during runs marked busy: "
-                       "their times measure other programs too</p>")
+            out.insert(
+                2,
+                "<p style='color:#b00'>the machine was busy during runs marked busy: "
+                "their times measure other programs too</p>",
+            )
         return out
 
     def done_message(self, records: pd.DataFrame) -> str:
         table, target = self.table(records)
         fastest = table.dropna(subset=["seconds_to_target"])
-        best = "" if fastest.empty else (
-            f"; fastest to {target:.3f}: "
-            f"{fastest.loc[fastest['seconds_to_target'].idxmin(), 'run']}")
+        best = (
+            ""
+            if fastest.empty
+            else (
+                f"; fastest to {target:.3f}: "
+                f"{fastest.loc[fastest['seconds_to_target'].idxmin(), 'run']}"
+            )
+        )
         return f"done: {', '.join(self._labels)}; {len(table)} run(s) in the table{best}"
 
     def _progress(self, cfg: RunConfig, rank: int, metrics: dict) -> None:
-        if rank != 0:                      # rank 0: steps, or the parameter server's updates
+        if rank != 0:  # rank 0: steps, or the parameter server's updates
             return
         bar, text = self._bars[experiment.config_label(cfg)]
         # the server counts every update; a hogwild rank's cap is the whole run's updates, of
@@ -101,8 +127,9 @@ class SyncPanel(BackgroundRun):
         text.value = f"{metrics['step']}/{total}, loss {metrics['loss']:.3f}"
 
 
-def sync_panel(base: RunConfig | None = None, modes=SYNC_ASYNC, *, run_now: bool = False,
-               **factories) -> SyncPanel:
+def sync_panel(
+    base: RunConfig | None = None, modes=SYNC_ASYNC, *, run_now: bool = False, **factories
+) -> SyncPanel:
     """Build the panel (``base``: the task every mode trains; async_ps gets one more rank, its
     server). ``run_now=True`` runs the preset once before returning."""
     panel = SyncPanel(base or RunConfig(steps=40, width=256, depth=2), modes, factories)

@@ -5,6 +5,7 @@
 KeyboardInterrupt it prints ``INTERRUPTED`` and, measured before exiting (so the lifeline pipe
 cannot be what stopped them), ``LEFT <pids>`` for rank processes still running.
 """
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """Find labkit's rank processes from the outside, to prove none outlives a launch."""
+
 from __future__ import annotations
 
 import time
@@ -8,7 +9,7 @@ import psutil
 
 def _alive(proc: psutil.Process) -> bool:
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE   # a zombie has exited; only its entry remains
+        return proc.status() != psutil.STATUS_ZOMBIE  # a zombie has exited; only its entry remains
     except psutil.NoSuchProcess:
         return False
 
