@@ -21,9 +21,10 @@ demo: $(STAMP)          ## environment report, strategy comparison, equivalence 
 
 test: lint test-py test-nb test-browser   ## lint, pytest, every notebook under nbval, the browser test
 
-lint: $(STAMP)          ## ruff (lint and format check)
+lint: $(STAMP)          ## ruff (lint and format check), import-linter (the layers in pyproject.toml)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 test-py: $(STAMP)
 	$(BIN)/python -m pytest tests --ignore=tests/test_browser.py

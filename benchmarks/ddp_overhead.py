@@ -41,7 +41,7 @@ import labkit
 from labkit.config import RunConfig
 from labkit.data import batches, make_dataset, shard_loader
 from labkit.models import make_model
-from labkit.probes import probe_overhead_s
+from labkit.rank.probes import probe_overhead_s
 from labkit.strategies import run_rank
 
 WORLD_SIZE = 2

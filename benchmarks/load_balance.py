@@ -11,7 +11,7 @@ policies back to back, interleaved:
 * dynamic: shares follow measured throughput every 2 steps.
 
 For each, ``throughput_fraction``: samples trained over the run's gated time, over the sum of the
-ranks' solo throughputs (``labkit.balance.throughput``); the median over rounds is reported,
+ranks' solo throughputs (``labkit.records.throughput``); the median over rounds is reported,
 beside the step-time predictor's (static and dynamic). Goal: dynamic >= 0.85; static about
 what the slowest rank allows (~0.67 for one 2x straggler in two ranks).
 """
@@ -25,6 +25,7 @@ import sys
 
 from labkit import RunConfig, comm, experiment, profile
 from labkit.predict import collectives
+from labkit.records import summarize
 
 GOAL = 0.85
 POLICIES = {
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     busy: dict[str, list[bool]] = {name: [] for name in POLICIES}
     for _ in range(args.rounds):
         for name, knobs in POLICIES.items():
-            row = experiment.summarize(experiment.run(base.replace(**knobs)).records).iloc[0]
+            row = summarize(experiment.run(base.replace(**knobs)).records).iloc[0]
             got[name].append(float(row["throughput_fraction"]))
             busy[name].append(bool(row["busy"]))
     bench, _ = comm.benchmark(world_size=2, ops=["all_reduce"], sizes="4KiB-4MiB")

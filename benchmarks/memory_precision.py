@@ -20,6 +20,7 @@ import json
 import statistics
 
 from labkit import RunConfig, experiment
+from labkit.records import BUSY_SHARE
 
 
 def pair(base: RunConfig, a: dict, b: dict, rounds: int) -> dict:
@@ -35,7 +36,7 @@ def pair(base: RunConfig, a: dict, b: dict, rounds: int) -> dict:
             fwd[key].append(float(rec["forward_s"].median()))
             recs[key] = rec
     cols = [c for c in recs["a"] if c.startswith("mem_")]
-    busy = any(float(r["compute_cpu_share"].min()) < experiment.BUSY_SHARE for r in recs.values())
+    busy = any(float(r["compute_cpu_share"].min()) < BUSY_SHARE for r in recs.values())
     return {
         "step_ratio": statistics.median(times["b"]) / statistics.median(times["a"]),
         "backward_ratio": statistics.median(back["b"]) / statistics.median(back["a"]),
@@ -84,7 +85,9 @@ def main(argv=None) -> int:
     cnn = base.replace(
         model="cnn", width=min(args.width, 256), global_batch=min(args.global_batch, 128)
     )
-    ckpt = pair(cnn, {"checkpoint": False}, {"checkpoint": True}, args.rounds)
+    ckpt = pair(
+        cnn, {"activation_checkpointing": False}, {"activation_checkpointing": True}, args.rounds
+    )
     print(
         f"mlp {args.width}x{args.depth}, batch {args.global_batch}, {args.rounds} interleaved "
         f"round(s){' (machine busy: compare ratios only)' if prec['busy'] or ckpt['busy'] else ''}"

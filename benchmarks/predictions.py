@@ -28,6 +28,7 @@ import pandas as pd
 
 from labkit import RunConfig, comm, experiment, profile
 from labkit.predict import collectives
+from labkit.records import bubble_error, summarize
 
 
 def step_rows(quick: bool, rounds: int) -> pd.DataFrame:
@@ -81,7 +82,7 @@ def bubble_rows(quick: bool) -> pd.DataFrame:
                 **size,
             )
             records = experiment.run(cfg).records
-            t = experiment.summarize(records).iloc[0]
+            t = summarize(records).iloc[0]
             rows.append(
                 {
                     "size": name,
@@ -89,7 +90,7 @@ def bubble_rows(quick: bool) -> pd.DataFrame:
                     "measured": t["bubble_fraction"],
                     "predicted": t["bubble_predicted"],
                     "closed form": t["bubble_theory"],
-                    "error": abs(experiment.bubble_error(records)),
+                    "error": abs(bubble_error(records)),
                     "cpu_share": t["cpu_share"],
                     "busy": bool(t["busy"]),
                 }

@@ -25,7 +25,7 @@ import sys
 import pandas as pd
 
 from labkit import RunConfig, experiment, sync_async
-from labkit.config import SYNC_ASYNC
+from labkit.registry import SYNC_ASYNC
 
 COLUMNS = (
     "updates_to_target",

@@ -21,9 +21,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "run": "experiment",
     "compare": "experiment",
-    "summarize": "experiment",
-    "check": "experiment",
     "grid": "experiment",
+    "summarize": "records",
+    "check": "equivalence",
     # one panel per lab
     "run_panel": "widgets",
     "pipeline_panel": "widgets",
@@ -35,24 +35,27 @@ _LAZY = {
     "sched_panel": "widgets",
 }
 _SUBMODULES = (
+    "registry",
     "experiment",
+    "records",
     "report",
     "plots",
-    "timeline",
     "predict",
     "equivalence",
     "widgets",
     "comm",
     "profile",
-    "balance",
+    "timeline",
+    "load_balance",
+    "shares",
     "uneven",
-    "sharding",
+    "cost_split",
     "memory",
-    "precision",
     "sync_async",
-    "checkpoint",
     "elastic",
     "sched",
+    "rank",
+    "flags",
 )
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .dist import RankContext
 from .predict.collectives import OPS, bus_factor
+from .records import summarize
 
 # The alpha-beta fit uses the mean time per call, not the median: a training step makes many
 # calls and pays every slow one (on a shared CPU, a scheduler tick in a fraction of the calls),
@@ -311,12 +312,11 @@ def knob_rows(results, profile=None, network=None):
     the global-batch loss, and, given a profile and a network, the predicted step beside it."""
     import pandas as pd
 
-    from . import experiment
     from .predict.step import predict
 
     rows = []
     for res in results:
-        t = experiment.summarize(res.records).iloc[0]
+        t = summarize(res.records).iloc[0]
         cfg = res.cfg
         row = {
             "config": knob_label(cfg),

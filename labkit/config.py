@@ -1,112 +1,117 @@
-"""RunConfig: the one frozen, validated description of a run."""
+"""RunConfig: the one frozen, validated description of a run.
+
+Every field carries its help text; the command line (``labkit.flags``) is generated from them, so
+each field is a flag of ``python -m labkit compare``/``check`` and of ``labkit.worker`` under
+torchrun, with the same name, type and default. Which strategy takes which knob is
+``labkit.registry``'s table; validation reads it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# Strategy name -> how many rank processes it runs on. "one" strategies run in a single process
-# (DataParallel drives several devices from one process); "world" ones run one rank per worker.
-STRATEGY_RANKS = {
-    "single": "one",
-    "dp": "one",
-    "ddp": "world",
-    "ddp_naive": "world",
-    "model_parallel": "world",
-    "pipeline_gpipe": "world",
-    "pipeline_1f1b": "world",
-    "zero1": "world",
-    "fsdp": "world",
-    "local_sgd": "world",
-    "diloco": "world",
-    "async_ps": "world",
-    "hogwild": "world",
-}
-PIPELINE_STRATEGIES = ("model_parallel", "pipeline_gpipe", "pipeline_1f1b")
-DATA_PARALLEL = ("ddp", "ddp_naive", "zero1", "fsdp")  # may synchronise batch statistics
+from . import registry
+from .shares import parse_slowdown
+
 MODELS = ("mlp", "cnn", "unbalanced_mlp")
 DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("gloo", "nccl", "mpi")
 PIPELINE_IMPLS = ("scratch", "torch")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 REBALANCE = ("static", "dynamic", "join")
-# the synchronous vs asynchronous lab's modes (ddp is its synchronous reference)
-SYNC_ASYNC = ("ddp", "local_sgd", "diloco", "async_ps", "hogwild")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def knob(default, help: str, choices: tuple | None = None):
+    """A RunConfig field with its command-line help (and allowed values, where there is a list)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that describes one run; sweep with ``dataclasses.replace``."""
 
-    strategy: str = "ddp"
-    world_size: int = 2  # ranks (DDP, pipeline) or devices (DataParallel); 1 for single
-    steps: int = 20  # measured optimizer steps per rank
-    warmup: int = 2  # unmeasured steps first (allocator, thread pools, gloo pairs)
-    global_batch: int = 64  # samples per optimizer step, summed over all ranks
-    lr: float = 0.05
-    seed: int = 0  # model init and data order; same seed -> same run on any strategy
+    strategy: str = knob("ddp", "what to run (labkit.registry)", tuple(registry.STRATEGIES))
+    world_size: int = knob(2, "ranks (DDP, pipeline) or devices (DataParallel); 1 for single")
+    steps: int = knob(20, "measured optimizer steps per rank")
+    warmup: int = knob(2, "unmeasured steps first (allocator, thread pools, gloo pairs)")
+    global_batch: int = knob(64, "samples per optimizer step, summed over all ranks")
+    lr: float = knob(0.05, "learning rate")
+    seed: int = knob(0, "model init and data order: the same seed gives the same run anywhere")
 
-    model: str = "mlp"
-    in_features: int = 32
-    width: int = 256
-    depth: int = 4  # hidden layers
-    classes: int = 10
-    dataset_size: int = 4096
+    model: str = knob("mlp", "labkit's toy model (or bring your own in Python)", MODELS)
+    in_features: int = knob(32, "input features per sample")
+    width: int = knob(256, "hidden width (cnn: channels)")
+    depth: int = knob(4, "hidden layers")
+    classes: int = knob(10, "output classes")
+    dataset_size: int = knob(4096, "samples in the synthetic dataset")
 
-    device: str = "auto"  # auto: one GPU per rank if there are enough, else CPU processes
-    backend: str | None = None  # None: nccl on GPUs, gloo on CPU
-    threads: int | None = None  # torch threads per rank; None: cores // ranks (never oversubscribe)
+    device: str = knob("auto", "auto: one GPU per rank if there are enough, else CPU", DEVICES)
+    backend: str | None = knob(None, "process-group backend (default: nccl on GPUs, gloo on CPU)",
+                               BACKENDS)  # fmt: skip
+    threads: int | None = knob(None, "torch threads per rank (default: cores // ranks)")
 
-    stages: int = 2  # pipeline depth P (pipeline strategies put one stage per rank)
-    microbatches: int = 4  # M micro-batches per step (pipeline strategies)
-    pipeline_impl: str = (
-        "scratch"  # "scratch": labkit's own schedule; "torch": torch.distributed.pipelining
-    )
-    balance: bool = False  # partition stages by measured layer cost instead of layer count
+    # ---- pipelines (notebook 02)
+    stages: int = knob(2, "pipeline depth P (one stage per rank)")
+    microbatches: int = knob(4, "micro-batches M per step")
+    pipeline_impl: str = knob("scratch", "scratch: labkit's own schedules; torch: "
+                              "torch.distributed.pipelining", PIPELINE_IMPLS)  # fmt: skip
+    balance_stages: bool = knob(False, "cut stages by measured layer cost, not layer count")
 
-    # ---- communication (labkit.comm, notebook 03); accumulation is a knob of the shared loop
-    bucket_cap_mb: float | None = None  # ddp: None = DDP's default (25 MB buckets, the first 1 MiB)
-    accumulate: int = 1  # micro-batches per optimizer step (single, dp, ddp, ddp_naive)
-    sync_every_microstep: bool = False  # accumulate > 1: all-reduce after every micro-batch
-    comm_hook: str = "none"  # ddp: "fp16" / "bf16" compression, or "powersgd"
-    powersgd_rank: int = 1  # comm_hook="powersgd": matrix approximation rank
+    # ---- communication (notebook 03); accumulation is a knob of the shared loop
+    bucket_cap_mb: float | None = knob(None, "DDP bucket size in MB (default: DDP's 25 MB, "
+                                       "the first 1 MiB)")  # fmt: skip
+    accumulate: int = knob(1, "micro-batches per optimizer step (gradient accumulation)")
+    sync_every_microstep: bool = knob(False, "with accumulate > 1: all-reduce after every "
+                                      "micro-batch, not once per step (no no_sync)")  # fmt: skip
+    comm_hook: str = knob("none", "DDP communication hook: fp16/bf16 compression or PowerSGD",
+                          COMM_HOOKS)  # fmt: skip
+    powersgd_rank: int = knob(1, "comm_hook powersgd: matrix approximation rank")
 
-    # ---- load balancing (labkit.balance, notebook 04). Knobs of ddp_naive: its gradient sync
-    # runs after backward, so each rank can time how long it waits there for the slowest one.
-    slowdown: tuple = ()  # "1:2" or ((rank, factor, from_step), ...): rank 1 computes 2x slower
-    skew: float = 0.0  # data skew: the last rank holds (1 + skew)x the first rank's samples
-    rebalance: str = "static"  # "dynamic": shares follow measured throughput; "join": uneven inputs
-    rebalance_every: int = 4  # dynamic: measured steps between share updates
+    # ---- load balancing (notebook 04): ranks made unequal, and shares that follow them
+    slowdown: tuple = knob((), "RANK:FACTOR[@STEP],...: e.g. 1:2, rank 1 computes 2x slower "
+                           "(from measured step STEP)")  # fmt: skip
+    skew: float = knob(0.0, "data skew: the last rank holds (1 + skew)x the first rank's data")
+    rebalance: str = knob("static", "dynamic: shares of the global batch follow measured "
+                          "throughput; join: uneven inputs under Join", REBALANCE)  # fmt: skip
+    rebalance_every: int = knob(4, "rebalance dynamic: measured steps between share updates")
 
     # ---- equivalence and your own model (labkit.equivalence, labkit.factories)
-    sync_batchnorm: bool = False  # ddp/ddp_naive: batch statistics over the global batch (SyncBN)
-    deterministic: bool = False  # check mode: no TF32, deterministic kernels, return final state
-    timeout_s: float = 300.0  # a launch (and every collective) gives up after this long
+    sync_batchnorm: bool = knob(False, "batch statistics over the global batch (SyncBatchNorm)")
+    deterministic: bool = knob(False, "check mode: deterministic kernels, no TF32, return the "
+                               "final state")  # fmt: skip
+    timeout_s: float = knob(300.0, "seconds a launch (and every collective) may take")
 
-    # ---- elastic (labkit.checkpoint, labkit.elastic, notebook 07)
-    checkpoint_dir: str | None = None  # resume from the checkpoint here, and write one to it
-    checkpoint_every: int = 0  # optimizer steps between checkpoints (0: after the last step only)
-    pace_s: float = 0.0  # each step lasts at least this long (sleeps the rest, outside
-    # step_s): a bigger model's pace, so a demo has time to act
-    # ---- memory and mixed precision (labkit.memory, labkit.precision, notebook 05): knobs of
-    # the shared loop (single, dp, ddp, ddp_naive, zero1, fsdp)
-    precision: str = "fp32"  # "bf16" / "fp16": torch.autocast (fp16 with a GradScaler)
-    checkpoint: bool = False  # ACTIVATION checkpointing (not saving runs): each block keeps
-    # only its input and recomputes the rest during backward
-    # ---- synchronous vs asynchronous training (labkit.sync_async, notebook 06)
-    period: int = 4  # local_sgd / diloco: local steps H between averaging rounds
-    inner_lr: float = 1e-3  # diloco: the inner AdamW's learning rate
-    outer_lr: float = 0.7  # diloco: outer Nesterov SGD on the averaged parameter delta
-    outer_momentum: float = 0.9  # diloco: the outer step's Nesterov momentum
-    staleness_lr: bool = False  # async_ps: an update s versions stale uses lr / max(1, s)
+    # ---- saved runs and elasticity (labkit.rank.resume, labkit.elastic, notebook 07)
+    checkpoint_dir: str | None = knob(None, "resume from the checkpoint in this folder, and "
+                                      "write one there")  # fmt: skip
+    checkpoint_every: int = knob(0, "optimizer steps between checkpoints (0: after the last)")
+    pace_s: float = knob(0.0, "seconds each step lasts at least (sleeps the rest, outside the "
+                         "measured step): a bigger model's pace, for demos")  # fmt: skip
+
+    # ---- memory and mixed precision (notebook 05): knobs of the shared training loop
+    precision: str = knob("fp32", "torch.autocast to bf16, or fp16 with a GradScaler",
+                          PRECISIONS)  # fmt: skip
+    activation_checkpointing: bool = knob(False, "each block keeps only its input and "
+                                          "recomputes the rest during backward")  # fmt: skip
+
+    # ---- synchronous vs asynchronous training (notebook 06)
+    period: int = knob(4, "local_sgd / diloco: local steps H between averaging rounds")
+    inner_lr: float = knob(1e-3, "diloco: the inner AdamW's learning rate")
+    outer_lr: float = knob(0.7, "diloco: outer Nesterov SGD lr on the averaged delta")
+    outer_momentum: float = knob(0.9, "diloco: the outer step's Nesterov momentum")
+    staleness_lr: bool = knob(False, "async_ps: an update s versions stale uses lr / max(1, s)")
 
     def __post_init__(self) -> None:
-        from .balance import parse_slowdown  # "1:2,0:1.5@10" or pairs -> triples
-
         object.__setattr__(self, "slowdown", parse_slowdown(self.slowdown))
-        if self.strategy not in STRATEGY_RANKS:
-            raise ValueError(
-                f"unknown strategy {self.strategy!r}: choose one of {', '.join(STRATEGY_RANKS)}"
-            )
+        for f in dataclasses.fields(self):  # every field with a list of values
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices and value not in choices and not (value is None and f.default is None):
+                raise ValueError(
+                    f"unknown {f.name} {value!r}: choose one of {', '.join(choices)}"
+                    + (" or None" if f.default is None else "")
+                )
         for name in (
             "world_size",
             "steps",
@@ -118,49 +123,99 @@ class RunConfig:
             "dataset_size",
             "stages",
             "microbatches",
+            "accumulate",
+            "powersgd_rank",
+            "rebalance_every",
+            "period",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be positive, got {self.lr}: pick a learning rate like 0.05")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(MODELS)}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.backend not in (None, "gloo", "nccl", "mpi"):
-            raise ValueError(f"backend must be gloo, nccl, mpi or None, got {self.backend!r}")
-        if self.pipeline_impl not in PIPELINE_IMPLS:
-            raise ValueError(
-                f"pipeline_impl must be one of {PIPELINE_IMPLS}, got {self.pipeline_impl!r}"
-            )
-        if self.strategy == "single" and self.world_size != 1:
-            raise ValueError(f"single runs on one device: set world_size=1 (got {self.world_size})")
-        if self.accumulate < 1:
-            raise ValueError(f"accumulate must be at least 1, got {self.accumulate}")
-        if self.comm_hook not in COMM_HOOKS:
-            raise ValueError(
-                f"comm_hook must be one of {', '.join(COMM_HOOKS)}, got {self.comm_hook!r}"
-            )
-        if self.comm_hook != "none" and self.strategy != "ddp":
-            raise ValueError(
-                f"comm_hook={self.comm_hook!r} is a DDP communication hook: set "
-                f"strategy='ddp' (got {self.strategy!r}) or comm_hook='none'"
-            )
-        if self.powersgd_rank < 1:
-            raise ValueError(f"powersgd_rank must be at least 1, got {self.powersgd_rank}")
+        for name in ("lr", "inner_lr", "outer_lr", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup", "checkpoint_every", "skew", "pace_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1 or None, got {self.threads}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(
                 f"bucket_cap_mb must be positive or None (DDP's default), got {self.bucket_cap_mb}"
             )
-        if self.strategy in PIPELINE_STRATEGIES:
-            if self.accumulate != 1:
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.strategy == "single" and self.world_size != 1:
+            raise ValueError(f"single runs on one device: set world_size=1 (got {self.world_size})")
+        self._check_knobs()
+        self._check_batch()
+        self._check_balancing()
+        self._check_checkpoint_dir()
+        self._check_strategy()
+        if self.dataset_size < self.global_batch:
+            raise ValueError(
+                f"dataset_size {self.dataset_size} is smaller than one global batch "
+                f"({self.global_batch}): raise dataset_size or lower global_batch"
+            )
+
+    def _refuse(self, knob: str, why: str, unset: str) -> None:
+        """A knob this strategy does not take: say which ones do, and what to set instead."""
+        takers = ", ".join(registry.names(knob=knob))
+        raise ValueError(f"{why}: it is a knob of {takers}, not of {self.strategy}: {unset}")
+
+    def _check_knobs(self) -> None:
+        """Knobs set on a strategy that would ignore them (``labkit.registry``)."""
+        knobs = registry.get(self.strategy).knobs
+        if self.comm_hook != "none" and "comm_hook" not in knobs:
+            self._refuse(
+                "comm_hook",
+                f"comm_hook={self.comm_hook!r} is a DDP communication hook",
+                "set comm_hook='none'",
+            )
+        if self.accumulate != 1 and "accumulate" not in knobs:
+            if registry.get(self.strategy).kind == "pipeline":
                 raise ValueError(
-                    f"{self.strategy} already splits each step into micro-batches: "
-                    f"set microbatches instead of accumulate (got accumulate="
-                    f"{self.accumulate})"
+                    f"{self.strategy} already splits each step into micro-batches: set "
+                    f"microbatches instead of accumulate (got accumulate={self.accumulate})"
                 )
+            self._refuse(
+                "accumulate",
+                f"{self.strategy} takes one batch per optimizer step",
+                f"set accumulate=1 (got {self.accumulate})",
+            )
+        for name in ("precision", "activation_checkpointing"):
+            if getattr(self, name) != RunConfig.__dataclass_fields__[name].default and (
+                name not in knobs
+            ):
+                self._refuse(
+                    name,
+                    f"{name} changes the shared training loop",
+                    "set precision='fp32' and activation_checkpointing=False",
+                )
+        if (self.skew > 0 or self.rebalance != "static") and "skew" not in knobs:
+            self._refuse(
+                "skew",
+                "skew and rebalance balance the load at an explicit "
+                "synchronisation after backward, where labkit times each rank's wait "
+                "for the slowest one (DDP hides that wait inside its overlapped "
+                "backward)",
+                "set strategy='ddp_naive', or skew=0 and rebalance='static' (a straggler "
+                f"alone (slowdown) also works on {', '.join(registry.names(knob='slowdown'))})",
+            )
+        if self.slowdown and "slowdown" not in knobs:
+            self._refuse(
+                "slowdown",
+                "slowdown makes one rank a straggler among ranks that compute the same work",
+                "drop slowdown",
+            )
+        if self.checkpoint_dir is not None and "checkpoint_dir" not in knobs:
+            self._refuse(
+                "checkpoint_dir",
+                "checkpoint_dir saves the shared training loop's state",
+                "set checkpoint_dir=None",
+            )
+
+    def _check_batch(self) -> None:
+        if registry.get(self.strategy).kind == "pipeline":
             if self.world_size != self.stages:
                 raise ValueError(
                     f"{self.strategy} puts one stage on each rank: set world_size == stages "
@@ -177,14 +232,14 @@ class RunConfig:
                     f"for {self.stages} stages: raise depth or lower stages"
                 )
         elif self.global_batch % self.data_ranks:
+            workers = (
+                f"{self.data_ranks} workers"
+                if self.strategy == "async_ps"
+                else f"world size {self.world_size}"
+            )
             raise ValueError(
-                f"global batch {self.global_batch} is not divisible by "
-                + (
-                    f"{self.data_ranks} workers"
-                    if self.strategy == "async_ps"
-                    else f"world size {self.world_size}"
-                )
-                + f": pick a global batch that is a multiple of {self.data_ranks}"
+                f"global batch {self.global_batch} is not divisible by {workers}: pick a global "
+                f"batch that is a multiple of {self.data_ranks}"
             )
         elif self.global_batch % (self.data_ranks * self.accumulate):
             raise ValueError(
@@ -192,44 +247,10 @@ class RunConfig:
                 f"micro-batches on each of {self.data_ranks} rank(s): pick a global batch that is "
                 f"a multiple of {self.data_ranks * self.accumulate}"
             )
-        self._check_balancing()
-        self._check_elastic()
-        self._check_memory()
-        self._check_sync_async()
-        if self.dataset_size < self.global_batch:
-            raise ValueError(
-                f"dataset_size {self.dataset_size} is smaller than one global batch "
-                f"({self.global_batch}): raise dataset_size or lower global_batch"
-            )
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be at least 1 or None, got {self.threads}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
     def _check_balancing(self) -> None:
-        if self.rebalance not in REBALANCE:
-            raise ValueError(
-                f"rebalance must be one of {', '.join(REBALANCE)}, got {self.rebalance!r}"
-            )
-        if self.rebalance_every < 1:
-            raise ValueError(f"rebalance_every must be at least 1, got {self.rebalance_every}")
-        if not self.skew >= 0:
-            raise ValueError(
-                f"skew must be >= 0 (the last rank holds 1 + skew times the first "
-                f"rank's samples), got {self.skew}"
-            )
         if not self.balancing:
             return
-        # the sync/async lab's modes take a straggler (slowdown alone: no skew, no rebalancing)
-        straggler_only = self.skew == 0 and self.rebalance == "static"
-        if self.strategy != "ddp_naive" and not (straggler_only and self.strategy in SYNC_ASYNC):
-            raise ValueError(
-                f"slowdown, skew and rebalance are knobs of ddp_naive, whose gradient sync runs "
-                f"after backward, where labkit times each rank's wait for the slowest one (DDP "
-                f"hides that wait inside its overlapped backward): set strategy='ddp_naive' "
-                f"(got {self.strategy!r}); a straggler alone (slowdown) also works on "
-                f"{', '.join(SYNC_ASYNC)}"
-            )
         if self.accumulate != 1:
             raise ValueError(
                 f"load balancing changes each rank's share of every step: set "
@@ -247,14 +268,7 @@ class RunConfig:
                 f"to {2 * self.world_size} or more"
             )
 
-    def _check_elastic(self) -> None:
-        if not self.pace_s >= 0:
-            raise ValueError(f"pace_s must be >= 0 seconds, got {self.pace_s}")
-        if self.checkpoint_every < 0:
-            raise ValueError(
-                f"checkpoint_every must be >= 0 (0: after the last step only), got "
-                f"{self.checkpoint_every}"
-            )
+    def _check_checkpoint_dir(self) -> None:
         if self.checkpoint_dir is None:
             if self.checkpoint_every:
                 raise ValueError(
@@ -265,33 +279,16 @@ class RunConfig:
             raise ValueError(
                 f"checkpoint_dir must be a folder path or None, got {self.checkpoint_dir!r}"
             )
-        if self.strategy in PIPELINE_STRATEGIES:
-            raise ValueError(
-                f"checkpoint_dir covers the data-parallel strategies (single, dp, "
-                f"ddp, ddp_naive), not {self.strategy}: pick one of those or set "
-                f"checkpoint_dir=None"
-            )
         if self.balancing:
             raise ValueError(
                 "checkpoint_dir does not save load-balancing state (shares, "
                 "slowdown): drop slowdown/skew/rebalance or set checkpoint_dir=None"
             )
 
-    def _check_memory(self) -> None:
-        from .precision import PRECISIONS, fp16_supported
-
-        if self.precision not in PRECISIONS:
-            raise ValueError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"
-            )
-        if (self.precision != "fp32" or self.checkpoint) and self.strategy in PIPELINE_STRATEGIES:
-            raise ValueError(
-                f"precision and checkpoint are knobs of the data-parallel loop "
-                f"(single, dp, ddp, ddp_naive, zero1, fsdp), not of {self.strategy}: "
-                f"set precision='fp32' and checkpoint=False"
-            )
+    def _check_strategy(self) -> None:
+        """What one strategy needs beyond its knobs."""
         if self.precision == "fp16":
-            from .env import resolve_device
+            from .env import fp16_supported, resolve_device
 
             kind = resolve_device(self.device, self.ranks)
             if not fp16_supported(kind):
@@ -305,25 +302,6 @@ class RunConfig:
                     "fp16 with fsdp needs a GradScaler that agrees across shards, "
                     "which labkit does not build: use precision='bf16' (no scaler)"
                 )
-
-    def _check_sync_async(self) -> None:
-        if self.period < 1:
-            raise ValueError(
-                f"period must be at least 1 (local steps between averaging rounds), "
-                f"got {self.period}"
-            )
-        for name in ("inner_lr", "outer_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.strategy not in SYNC_ASYNC[1:]:
-            return
-        if self.accumulate != 1:
-            raise ValueError(
-                f"{self.strategy} takes one batch per optimizer step: set "
-                f"accumulate=1 (got {self.accumulate})"
-            )
         if self.strategy == "hogwild" and self.device == "cuda":
             raise ValueError(
                 "hogwild shares one model in host memory between processes: set device='cpu'"
@@ -346,19 +324,19 @@ class RunConfig:
 
     @property
     def balancing(self) -> bool:
-        """Does this run inject heterogeneity or balance load (``labkit.balance``)?"""
+        """Does this run inject heterogeneity or balance load (``labkit.shares``)?"""
         return bool(self.slowdown) or self.skew > 0 or self.rebalance != "static"
 
     @property
     def ranks(self) -> int:
         """How many processes this run launches."""
-        return self.world_size if STRATEGY_RANKS[self.strategy] == "world" else 1
+        return 1 if registry.get(self.strategy).one_process else self.world_size
 
     @property
     def batch_per_rank(self) -> int:
         """Samples in one forward: a rank's micro-batch (data parallel, ``accumulate`` of them
         per step) or one pipeline micro-batch."""
-        if self.strategy in PIPELINE_STRATEGIES:
+        if registry.get(self.strategy).kind == "pipeline":
             return self.global_batch // self.microbatches
         return self.global_batch // (self.data_ranks * self.accumulate)
 

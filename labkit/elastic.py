@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 import pandas as pd
 import psutil
 
-from .checkpoint import read_timeline
 from .config import RunConfig
+from .flags import to_argv
 from .launch import free_port
+from .rank.resume import read_timeline
 
 # torchrun's rendezvous knobs (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py),
 # in whole seconds: how long an agent waits for the group to reach MIN nodes (join), how long it
@@ -54,35 +55,13 @@ FAST_RDZV = {
 # running job waits for it until the store times out (checked here: a join hung 60 s, then both
 # agents failed). A separate store per round re-forms correctly.
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-# RunConfig fields passed to the workers
-_PASS = (
-    "steps",
-    "warmup",
-    "global_batch",
-    "lr",
-    "seed",
-    "model",
-    "width",
-    "depth",
-    "dataset_size",
-    "accumulate",
-    "checkpoint_every",
-    "timeout_s",
-    "threads",
-    "pace_s",
-)
 
 
 def worker_args(cfg: RunConfig) -> list[str]:
-    """``labkit.worker`` flags for the fields of ``cfg`` a job passes on."""
-    from .__main__ import FLAGS
-
-    out = ["--strategy", cfg.strategy]
-    for name in _PASS:
-        value = getattr(cfg, name)
-        if value is not None:
-            out += [FLAGS[name], str(value)]
-    return out
+    """``labkit.worker`` flags that rebuild ``cfg`` on every worker (torchrun sets the world
+    size; the job passes its own checkpoint folder)."""
+    skip = ("strategy", "world_size", "checkpoint_dir")
+    return ["--strategy", cfg.strategy, *to_argv(cfg, skip=skip)]
 
 
 def check_nnodes(nnodes: str | int, agents: int | None = None) -> tuple[int, int]:
@@ -196,17 +175,6 @@ class ElasticJob:
     def check(cfg: RunConfig, nnodes: str | int, nproc_per_node: int = 1) -> tuple[int, int]:
         """(min, max) nodes, or a ValueError naming the fix, before any process starts."""
         lo, hi = check_nnodes(nnodes)
-        default = RunConfig()
-        unsaid = [
-            f
-            for f in ("in_features", "classes", "sync_batchnorm", "deterministic")
-            if getattr(cfg, f) != getattr(default, f)
-        ]
-        if unsaid:  # the workers are configured by labkit.worker's flags
-            raise ValueError(
-                f"labkit.worker has no flag for {', '.join(unsaid)}: an elastic job "
-                f"runs them at their defaults; reset them in the config"
-            )
         if cfg.strategy not in ("ddp", "ddp_naive"):
             raise ValueError(
                 f"an elastic job runs ddp or ddp_naive (its world size changes), "

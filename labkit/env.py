@@ -13,6 +13,7 @@ import os
 import platform
 import warnings
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,12 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
         return os.cpu_count() or 1
+
+
+def threads_per_rank(ranks: int, device: str) -> int:
+    """Torch threads each of ``ranks`` processes gets: on CPU the ranks share the cores (never
+    more threads than cores in all); on GPUs one, to feed its device."""
+    return max(1, cpu_cores() // ranks) if device == "cpu" else 1
 
 
 @dataclass(frozen=True)
@@ -180,3 +187,22 @@ def warn_if_oversubscribed(ranks: int, threads_per_rank: int = 1) -> str | None:
     if msg:
         warnings.warn(msg, OversubscribedWarning, stacklevel=3)
     return msg
+
+
+@cache
+def fp16_supported(device_type: str) -> bool:
+    """Does this torch run fp16 autocast and a GradScaler on ``device_type``? (Tried, not
+    assumed: torch 2.14.1 does on CPU; older releases raised.)"""
+    if device_type == "cuda":
+        return torch.cuda.is_available()
+    try:
+        x = torch.ones(2, 2, requires_grad=True)
+        with torch.autocast(device_type, dtype=torch.float16):
+            y = x @ x
+        if y.dtype != torch.float16:
+            return False
+        scaler = torch.amp.GradScaler(device_type)
+        scaler.scale(y.float().sum()).backward()
+        return scaler.is_enabled()
+    except (RuntimeError, ValueError, AssertionError, TypeError):
+        return False

@@ -7,7 +7,7 @@ every rank (as they must) than single-device training draws for the same samples
 inspects the model first, then compares what must hold:
 
 * batch statistics: the data-parallel strategies run with synchronised batch norm
-  (``RunConfig.sync_batchnorm``: ``nn.SyncBatchNorm`` on GPUs, ``labkit.syncbn`` over gloo on
+  (``RunConfig.sync_batchnorm``: ``nn.SyncBatchNorm`` on GPUs, ``labkit.rank.syncbn`` over gloo on
   CPU ranks), which computes the global batch's statistics and so must match to ``tol``;
 * randomness: masks cannot match, so dropout is switched off in every run; with it off, the
   rest of the model must match to ``tol``.
@@ -28,9 +28,11 @@ from collections.abc import Sequence
 import pandas as pd
 from torch import nn
 
-from .config import DATA_PARALLEL, PIPELINE_STRATEGIES, RunConfig
+from .config import RunConfig
 from .env import resolve_device
+from .experiment import run
 from .factories import Factories
+from .registry import DATA_PARALLEL, PIPELINES
 
 _DROPOUT = (
     nn.Dropout,
@@ -86,8 +88,6 @@ def check(
 ) -> pd.DataFrame:
     """Train each strategy ``steps`` steps from the same weights on the same global batches and
     compare its final parameters and buffers with single-device training's."""
-    from .experiment import run
-
     strategies = [s for s in strategies if s != "single"]
     if base.rebalance == "join":
         raise ValueError(
@@ -138,15 +138,13 @@ def check(
             adjust.append(
                 "sync batchnorm (nn.SyncBatchNorm)"
                 if kind == "cuda"
-                else "sync batchnorm (labkit.syncbn over gloo)"
+                else "sync batchnorm (labkit.rank.syncbn over gloo)"
             )
             why.append(
                 f"{len(bn)} batch-norm layer(s) ({_few(bn)}): per-rank batch statistics "
                 f"differ from the global batch's; synchronised, they are the same"
             )
-        elif (
-            bn and name in PIPELINE_STRATEGIES and cfg.microbatches > 1 and name != "model_parallel"
-        ):
+        elif bn and name in PIPELINES and cfg.microbatches > 1 and name != "model_parallel":
             why.append(
                 f"batch norm normalises each micro-batch on its own, single the whole "
                 f"batch: not the same computation at M={cfg.microbatches} (use M=1, or "
@@ -177,7 +175,7 @@ def check(
 
 
 def _ws(cfg: RunConfig, name: str, world_size: int) -> int:
-    return cfg.stages if name in PIPELINE_STRATEGIES else world_size
+    return cfg.stages if name in PIPELINES else world_size
 
 
 def _max_diff(got: dict, ref: dict, keys=None) -> float:

@@ -22,7 +22,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from .config import PIPELINE_STRATEGIES, RunConfig
+from .config import RunConfig
+from .data import make_dataset
+from .models import checkpoint_blocks, make_model
+from .registry import PIPELINES
 
 
 def default_loss(cfg: RunConfig) -> nn.Module:
@@ -43,17 +46,13 @@ class Factories:
     optimizer_fn: Callable | None = None
 
     def model(self, cfg: RunConfig) -> nn.Module:
-        from .models import make_model
-
         torch.manual_seed(cfg.seed)
         model = self.model_fn(cfg) if self.model_fn is not None else make_model(cfg)
-        if cfg.strategy in PIPELINE_STRATEGIES and isinstance(model, (list, tuple, nn.ModuleList)):
+        if cfg.strategy in PIPELINES and isinstance(model, (list, tuple, nn.ModuleList)):
             model = nn.Sequential(*model)  # a list of stage modules is a pipeline too
         return model
 
     def dataset(self, cfg: RunConfig) -> Dataset:
-        from .data import make_dataset
-
         torch.manual_seed(cfg.seed)  # independent of how much model_fn drew
         return self.data_fn(cfg) if self.data_fn is not None else make_dataset(cfg)
 
@@ -92,11 +91,9 @@ def validate(cfg: RunConfig, fns: Factories) -> None:
             f"model_fn returned a {type(model).__name__}, not an nn.Module: return "
             f"the model itself, e.g. model_fn=lambda cfg: MyModel()"
         )
-    if cfg.strategy in PIPELINE_STRATEGIES:
+    if cfg.strategy in PIPELINES:
         _check_cuttable(cfg, model)
-    if cfg.checkpoint:  # activation checkpointing cuts between blocks: say so here
-        from .memory import checkpoint_blocks
-
+    if cfg.activation_checkpointing:  # activation checkpointing cuts between blocks: say so here
         checkpoint_blocks(model)
     dataset = fns.dataset(cfg)
     _check_dataset(cfg, dataset)

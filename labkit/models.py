@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import RunConfig
 
@@ -96,3 +97,66 @@ def stage_state_names(bounds: Sequence[int], stage: int, stage_module: nn.Module
 def _whole_name(offset: int, local: str) -> str:
     head, _, rest = local.partition(".")
     return f"{int(head) + offset}.{rest}"
+
+
+# ---- stage balancing: where to cut by measured cost -------------------------------------------
+
+
+def partition(costs: Sequence[float], stages: int) -> list[int]:
+    """Stage start indices splitting ``costs`` into contiguous runs that minimise the slowest
+    stage's total (dynamic programming over cut points; n is a few dozen blocks at most)."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} blocks into {stages} stages: use 1..{n} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest slowest-stage cost putting the first i blocks on k stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    bounds, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def stage_costs(costs: Sequence[float], bounds: Sequence[int]) -> list[float]:
+    """Summed block cost of each stage for the given stage start indices."""
+    ends = list(bounds[1:]) + [len(costs)]
+    return [sum(costs[a:b]) for a, b in zip(bounds, ends)]
+
+
+# ---- activation checkpointing ------------------------------------------------------------------
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Activation checkpointing per block: each child of an ``nn.Sequential`` keeps only its
+    input for backward and recomputes its inside then (``torch.utils.checkpoint``, non-reentrant:
+    the first block's input needs no gradient). Parameter names are unchanged."""
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(
+            f"activation_checkpointing=True checkpoints each block of an nn.Sequential; the model "
+            f"is a {type(model).__name__}: return nn.Sequential(block1, block2, ...) "
+            f"from model_fn, or set activation_checkpointing=False"
+        )
+    for block in model:
+        block.forward = _checkpointed(block.forward)
+    return model
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

@@ -1,4 +1,4 @@
-"""Tables and sentences for people: what ``experiment.summarize`` measured, formatted and read.
+"""Tables and sentences for people: what ``summarize`` measured, formatted and read.
 
 The CLI, the demo, the notebooks and the panels all print through here, so a number means the
 same thing, with the same name, everywhere.
@@ -10,8 +10,8 @@ import math
 
 import pandas as pd
 
-from .config import STRATEGY_RANKS
-from .experiment import BUSY_SHARE
+from . import registry
+from .records import BUSY_SHARE
 
 
 def _num(v, fmt: str) -> str:
@@ -118,7 +118,7 @@ def explain(table: pd.DataFrame) -> str:
                 f"slow rank less work until every rank computes equally long."
             )
             continue
-        if STRATEGY_RANKS[row["strategy"]] == "one" and str(row["device"]).startswith("cpu"):
+        if registry.get(row["strategy"]).one_process and str(row["device"]).startswith("cpu"):
             lines.append(
                 f"{row['run']} is one process: DataParallel splits a batch over GPUs "
                 f"only, so on CPU it is single, and its speed-up is noise."

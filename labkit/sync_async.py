@@ -30,8 +30,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from .config import SYNC_ASYNC
-from .experiment import run_label
+from .records import BUSY_SHARE, cpu_share, run_label
+from .registry import SYNC_ASYNC
 
 SYNCHRONOUS = ("ddp", "local_sgd", "diloco", "ddp_naive", "single")
 ASYNCHRONOUS = ("async_ps", "hogwild")
@@ -120,9 +120,7 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
     """Per run: the updates, wall time, samples and bytes until ``loss_smooth`` first reached
     ``target`` (NaN if it never did), beside the whole run's throughput (samples per second of
     wall time), final smoothed loss, averaging rounds and staleness; ``cpu_share``/``busy`` as
-    ``experiment.summarize`` reads them (the least share any rank got, median over steps)."""
-    from .experiment import BUSY_SHARE, cpu_share
-
+    ``summarize`` reads them (the least share any rank got, median over steps)."""
     curves = updates(records, window)
     rows = []
     for (label, g), (_, recs) in zip(curves.groupby("run", sort=False), runs(records)):

@@ -4,109 +4,32 @@ The rank that runs out leaves its training loop while the others wait in their n
 all-reduce for a partner that never comes: a hung job. ``uneven_inputs`` shows it with DDP,
 bounded by a timeout, and the fix: ``torch.distributed.algorithms.Join``, under which a rank
 that ran out *shadows* the others' collectives (answers them with zeros) until every rank is
-done. ``JoinableSync`` is the from-scratch twin of ``DistributedDataParallel.join()`` for
-``ddp_naive``'s hand-written all-reduce (``rebalance="join"``, ``labkit.balance``).
+done. ``JoinableSync`` (``labkit.rank.join``) is the from-scratch twin of
+``DistributedDataParallel.join()`` for ``ddp_naive``'s hand-written all-reduce
+(``rebalance="join"``).
 ``sampler_padding`` counts how ``DistributedSampler`` avoids uneven inputs in the first place:
 repeated samples, or dropped ones.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms import Join, Joinable, JoinHook
+from torch.distributed.algorithms import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from .dist import all_reduce_flat
+from .config import RunConfig
+from .data import batches as endless
+from .data import shard_loader
+from .factories import Factories
+from .launch import LaunchError, launch
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pandas loads in the caller only: _uneven_rank runs in rank processes
     import pandas as pd
-
-    from .balance import Balancer
-
-
-# ---- join: uneven inputs, with a Joinable written by hand ----------------------------------------
-
-
-class JoinableSync(Joinable):
-    """``ddp_naive``'s gradient all-reduce, joinable: averaged over the samples of the ranks
-    still training, and shadowed (zeros all-reduced in the same order) by ranks that ran out.
-
-    ``notify()`` tells the join context this rank is still training (an all-reduce that the
-    joined ranks answer; timed, it is this rank's wait for the others); ``reduce(samples)``
-    all-reduces the sample count, then each gradient times this rank's samples, and divides by
-    the total: the sample-weighted mean gradient over the ranks still training (what DDP's
-    ``join(divide_by_initial_world_size=False)`` does when every rank's batch is the same
-    size; DDP's default divides by the initial world size instead)."""
-
-    def __init__(self, model: nn.Module, device: torch.device):
-        super().__init__()
-        self.model, self.device = model, device
-
-    def notify(self) -> float:
-        t = time.perf_counter()
-        Join.notify_join_context(self)
-        return time.perf_counter() - t
-
-    def reduce(self, samples: int) -> None:
-        n = torch.tensor([float(samples)], dtype=self.dtype, device=self.device)
-        grads = []
-        for p in self.model.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.mul_(samples))
-        all_reduce_flat([*grads, n])
-        for g in grads:
-            g.div_(n)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of one ``reduce`` message: the parameters' promoted with float32 (a sample
-        count is exact there; bf16 would round 1001 samples to 1000)."""
-        return functools.reduce(
-            torch.promote_types, (p.dtype for p in self.model.parameters()), torch.float32
-        )
-
-    def numel(self) -> int:
-        """Elements of one ``reduce`` message: every parameter's, and the sample count."""
-        return sum(p.numel() for p in self.model.parameters()) + 1
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        return _Shadow(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return dist.group.WORLD
-
-
-class _Shadow(JoinHook):
-    """What a rank that ran out of data does for each step the others still take."""
-
-    def __init__(self, sync: JoinableSync):
-        self.sync = sync
-
-    def main_hook(self) -> None:  # no gradients, no samples from me
-        dist.all_reduce(
-            torch.zeros(self.sync.numel(), dtype=self.sync.dtype, device=self.sync.device)
-        )
-
-
-def join_context(balancer: Balancer | None):
-    """``Join([sync])`` when the balancer has a joinable sync (``rebalance="join"``)."""
-    if balancer is None or balancer.joinable is None:
-        return nullcontext()
-    return Join([balancer.joinable])
-
 
 # ---- uneven inputs: the hang, bounded, and the fix ----------------------------------------------
 
@@ -127,11 +50,6 @@ def uneven_inputs(batches=(5, 3), *, join: bool = False, cfg=None, timeout_s: fl
     True by default: at 2 ranks the survivor's gradient is its own over 2;
     ``ddp_model.join(divide_by_initial_world_size=False)`` divides by the ranks still
     training). Returns one row per rank."""
-    import pandas as pd
-
-    from .config import RunConfig
-    from .launch import LaunchError, launch
-
     cfg = cfg or RunConfig(strategy="ddp", world_size=len(batches), global_batch=32 * len(batches))
     cfg = cfg.replace(strategy="ddp", world_size=len(batches))
     seen: dict[int, dict] = {}
@@ -148,6 +66,8 @@ def uneven_inputs(batches=(5, 3), *, join: bool = False, cfg=None, timeout_s: fl
         if join:
             raise
         raise UnevenInputsError(_uneven_message(batches, seen, timeout_s)) from exc
+    import pandas as pd
+
     return pd.DataFrame(rows)
 
 
@@ -170,12 +90,6 @@ def _uneven_message(batches, seen: dict, timeout_s: float) -> str:
 
 
 def _uneven_rank(ctx, cfg, batches, join: bool) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from .data import batches as endless
-    from .data import shard_loader
-    from .factories import Factories
-
     fns = Factories()
     torch.manual_seed(cfg.seed)
     model = fns.model(cfg).to(ctx.device)

@@ -5,8 +5,9 @@
 
 torchrun starts the processes and sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous address;
 ``labkit.dist.session()`` reads them, so the strategy code is exactly what ``labkit.launch`` runs
-from a notebook. Records are gathered to rank 0, which writes them in the same JSON format as
-``python -m labkit compare --json``.
+from a notebook. Every ``RunConfig`` field is a flag (``labkit.flags``). Records are gathered to
+rank 0, which builds them as ``labkit.experiment.run`` does (``labkit.records.from_ranks``) and
+writes them in the same JSON format as ``python -m labkit compare --json``.
 """
 
 from __future__ import annotations
@@ -17,23 +18,33 @@ import sys
 
 import torch
 
-from .__main__ import _writable, add_config_args, config_from_args
-from .config import PIPELINE_STRATEGIES, STRATEGY_RANKS, RunConfig
+from . import registry
+from .cli.common import writable
+from .config import RunConfig
 from .dist import gather_to_main, session
 from .env import cpu_cores, oversubscription
-from .experiment import save_records
+from .flags import add_config_arguments, config_from_args
+from .rank.resume import read_timeline
+from .records import config_label, from_ranks, save_records, summarize
+from .report import format_table
 from .strategies import run_rank
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrun ... -m labkit.worker",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--strategy", default="ddp")
     p.add_argument("--out", help="rank 0 writes the records here (JSON)")
-    add_config_args(p)
+    add_config_arguments(p)
+    # torchrun decides the world size; the flag, if given, must agree with it
+    p.set_defaults(world_size=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if "RANK" not in os.environ:
         p.error(
@@ -43,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:  # every rank checks; only rank 0 says it, once
         cfg = _config(args, world_size)
-        _writable("--out", args.out)
+        writable("--out", args.out)
     except ValueError as exc:
         if rank == 0:
             print(f"labkit.worker: error: {exc}", file=sys.stderr, flush=True)
@@ -53,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     # the loss of the global batch lives on the last stage of a pipeline; a data-parallel rank
     # knows only its own shard's, and says so
-    speaker = world_size - 1 if cfg.strategy in PIPELINE_STRATEGIES else 0
-    what = "loss" if cfg.strategy in PIPELINE_STRATEGIES else "loss (rank 0's shard)"
+    pipeline = registry.get(cfg.strategy).kind == "pipeline"
+    speaker = world_size - 1 if pipeline else 0
+    what = "loss" if pipeline else "loss (rank 0's shard)"
 
     def report(step, total, loss, **_):
         if rank == speaker and (step % 10 == 0 or step == total):
@@ -66,30 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         result = run_rank(ctx, cfg)
         gathered = gather_to_main({"records": result["records"], "notes": result["notes"]})
     if gathered is not None:
-        from .experiment import finalize, summarize
-        from .report import format_table
-
-        records = finalize([r for part in gathered for r in part["records"]])
         oversub = oversubscription(local_world, threads) if ctx.device.type == "cpu" else None
-        records["oversubscribed"] = oversub is not None
-        notes = list(
-            dict.fromkeys(
-                [
-                    *([oversub] if oversub else []),
-                    *(n for part in gathered for n in part["notes"]),
-                    *records.attrs.pop("notes", []),
-                ]
-            )
-        )
-        records.attrs["notes"] = {f"{cfg.strategy}@{world_size}": notes} if notes else {}
+        records = from_ranks(cfg, gathered, oversub)
+        notes = records.attrs["notes"]
+        records.attrs["notes"] = {config_label(cfg): notes} if notes else {}
         if len(records):
             print(format_table(summarize(records)))
         for note in notes:
             print(f"note: {note}")
         timeline = {}
         if cfg.checkpoint_dir:  # the whole history, across restarts and world sizes
-            from .checkpoint import read_timeline
-
             timeline = {"timeline": read_timeline(cfg.checkpoint_dir)}
         if args.out:
             save_records(records, args.out, config=cfg.to_dict(), launcher="torchrun", **timeline)
@@ -99,22 +97,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _config(args, world_size: int) -> RunConfig:
     """The run's config, or a ValueError whose fix applies under torchrun."""
-    if (
-        args.strategy in STRATEGY_RANKS
-        and STRATEGY_RANKS[args.strategy] == "one"
-        and world_size != 1
-    ):
+    strategy = registry.get(args.strategy)
+    if args.world_size is not None and args.world_size != world_size:
+        raise ValueError(
+            f"--world-size {args.world_size}: torchrun started {world_size} processes; drop "
+            f"the flag or start {args.world_size}"
+        )
+    if strategy.one_process and world_size != 1:
         raise ValueError(
             f"{args.strategy} runs in one process: start it with "
             f"torchrun --nproc-per-node 1 (and one node), or pick ddp"
         )
-    if args.strategy in PIPELINE_STRATEGIES and args.stages != world_size:
+    if strategy.kind == "pipeline" and args.stages != world_size:
         raise ValueError(
             f"{args.strategy} puts one stage on each process: pass --stages "
             f"{world_size} (the world size torchrun started), or start "
             f"{args.stages} processes"
         )
-    return config_from_args(args, strategy=args.strategy, world_size=world_size)
+    return config_from_args(args, world_size=world_size)
 
 
 if __name__ == "__main__":

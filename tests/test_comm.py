@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, comm, experiment, profile
+from labkit import RunConfig, comm, equivalence, experiment, profile
 from labkit.launch import launch
 from labkit.predict import collectives, step
 from labkit.predict.collectives import AlphaBeta, CollectiveModel
+from labkit.records import summarize
 
 # ---- benchmark arithmetic -------------------------------------------------------------------
 
@@ -213,7 +214,7 @@ def test_predictor_against_a_real_world_size_2_run():
     prof = profile.measure(cfg)
     assert prof.batch == 128 and len(prof.layers) == 5 and prof.grad_bytes > 0
     for strategy in ("ddp", "ddp_naive"):
-        t = experiment.summarize(experiment.run(cfg.replace(strategy=strategy)).records).iloc[0]
+        t = summarize(experiment.run(cfg.replace(strategy=strategy)).records).iloc[0]
         p = step.predict(prof, net, strategy, 2, cfg.global_batch)
         if t["busy"]:
             pytest.skip(f"the machine was busy during {strategy} (cpu share {t['cpu_share']:.2f})")
@@ -225,7 +226,7 @@ def test_predictor_against_a_real_world_size_2_run():
 
 
 def test_accumulation_matches_single_on_the_larger_batch_and_counts_bytes():
-    same = experiment.check(
+    same = equivalence.check(
         RunConfig(accumulate=4, global_batch=128), ["ddp", "ddp_naive"], steps=3
     )
     assert same["ok"].all() and (same["max_abs_diff"] <= 1e-5).all(), same
@@ -234,7 +235,7 @@ def test_accumulation_matches_single_on_the_larger_batch_and_counts_bytes():
     every = experiment.run(base.replace(sync_every_microstep=True)).records
     assert (quiet["samples"] == 64).all()  # 4 micro-batches of 16 per rank
     assert (every["comm_bytes"] == 4 * quiet["comm_bytes"]).all()
-    per_sample = experiment.summarize(quiet)["bytes_per_sample"].iloc[0]
+    per_sample = summarize(quiet)["bytes_per_sample"].iloc[0]
     assert per_sample == pytest.approx(quiet["comm_bytes"].iloc[0] / 64)
 
 
@@ -242,7 +243,7 @@ def test_hooks_send_fewer_bytes_and_time_the_all_reduces():
     base = RunConfig(strategy="ddp", steps=3, width=128)
     plain = experiment.run(base).records
     assert (plain["comm_total_s"] > 0).all()  # timed by the hook
-    assert (experiment.summarize(plain)["hidden_ms"] >= 0).all()
+    assert (summarize(plain)["hidden_ms"] >= 0).all()
     for hook in ("fp16", "bf16"):
         assert (
             experiment.run(base.replace(comm_hook=hook)).records["comm_bytes"]
@@ -268,7 +269,7 @@ def test_powersgd_on_gloo_gets_one_bucket_instead_of_hanging():
         (dict(strategy="pipeline_1f1b", accumulate=2), "set microbatches instead"),
         (dict(accumulate=3, global_batch=64), "multiple of 6"),
         (dict(bucket_cap_mb=0), "bucket_cap_mb must be positive"),
-        (dict(comm_hook="int8"), "comm_hook must be one of"),
+        (dict(comm_hook="int8"), "unknown comm_hook .int8.: choose one of none, fp16"),
     ],
 )
 def test_bad_knobs_are_refused_with_the_fix(changes, message):

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from labkit.config import MODELS, STRATEGY_RANKS, RunConfig
+from labkit.config import MODELS, RunConfig
+from labkit.registry import STRATEGIES
 
 # (changes to the default config, words the error must contain: what is wrong and the fix)
 INVALID = [
@@ -19,9 +20,32 @@ INVALID = [
     ({"microbatches": 0}, ["microbatches must be at least 1"]),
     ({"warmup": -1}, ["warmup must be >= 0"]),
     ({"model": "resnet"}, ["unknown model 'resnet'", "choose one of mlp, cnn, unbalanced_mlp"]),
-    ({"device": "gpu"}, ["device must be one of", "'cuda'"]),
-    ({"backend": "ucc"}, ["backend must be gloo, nccl, mpi or None"]),
-    ({"pipeline_impl": "fast"}, ["pipeline_impl must be one of", "'scratch'"]),
+    ({"device": "gpu"}, ["unknown device 'gpu'", "choose one of auto, cpu, cuda"]),
+    ({"backend": "ucc"}, ["unknown backend 'ucc'", "choose one of gloo, nccl, mpi or None"]),
+    ({"pipeline_impl": "fast"}, ["unknown pipeline_impl 'fast'", "scratch, torch"]),
+    ({"rebalance": "often"}, ["unknown rebalance 'often'", "static, dynamic, join"]),
+    ({"comm_hook": "zip"}, ["unknown comm_hook 'zip'", "none, fp16, bf16, powersgd"]),
+    ({"precision": "fp8"}, ["unknown precision 'fp8'", "fp32, bf16, fp16"]),
+    (
+        {"strategy": "ddp_naive", "comm_hook": "fp16"},
+        ["it is a knob of ddp, not of ddp_naive", "set comm_hook='none'"],
+    ),
+    (
+        {"strategy": "ddp", "skew": 0.5},
+        ["a knob of ddp_naive, not of ddp", "set strategy='ddp_naive'"],
+    ),
+    (
+        {"strategy": "pipeline_gpipe", "precision": "bf16"},
+        ["a knob of single, dp, ddp", "not of pipeline_gpipe", "precision='fp32'"],
+    ),
+    (
+        {"strategy": "local_sgd", "accumulate": 2},
+        ["local_sgd takes one batch per optimizer step", "set accumulate=1"],
+    ),
+    (
+        {"strategy": "pipeline_1f1b", "accumulate": 2},
+        ["set microbatches instead of accumulate"],
+    ),
     ({"strategy": "single"}, ["single runs on one device: set world_size=1 (got 2)"]),
     (
         {"strategy": "pipeline_gpipe", "world_size": 2, "stages": 3},
@@ -68,7 +92,7 @@ def test_replace_validates_too():
 
 def test_defaults_are_valid_and_every_strategy_and_model_has_a_valid_config():
     RunConfig()
-    for strategy in STRATEGY_RANKS:
+    for strategy in STRATEGIES:
         cfg = RunConfig(strategy=strategy, world_size=1 if strategy == "single" else 2)
         assert cfg.strategy == strategy
     for model in MODELS:

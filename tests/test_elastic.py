@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import checkpoint, experiment
+from labkit import experiment
 from labkit.config import RunConfig
 from labkit.elastic import ElasticError, ElasticJob, changes, check_nnodes, free_port
+from labkit.rank import resume
 
 PY = sys.executable
 TINY = dict(width=32, depth=2, global_batch=32, dataset_size=256, warmup=0, timeout_s=60)
@@ -30,7 +31,7 @@ def _state(module):
 def _save(folder, cfg, step=3, model=None):
     model = model or nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return checkpoint.save(
+    return resume.save(
         folder,
         step=step,
         epoch=0,
@@ -39,7 +40,7 @@ def _save(folder, cfg, step=3, model=None):
         cfg=cfg,
         model=model,
         optimizer=opt,
-        rng=[checkpoint.rng_state()],
+        rng=[resume.rng_state()],
     )
 
 
@@ -53,10 +54,10 @@ def test_save_load_round_trip_and_rng(tmp_path):
     _save(tmp_path, cfg, 5, model)
     expected = torch.rand(3)
     torch.rand(10)  # move the stream on
-    ck = checkpoint.load(str(tmp_path), cfg)
-    assert ck.step == 5 and ck.world_size == 1 and ck.fingerprint == checkpoint.fingerprint(cfg)
+    ck = resume.load(str(tmp_path), cfg)
+    assert ck.step == 5 and ck.world_size == 1 and ck.fingerprint == resume.fingerprint(cfg)
     assert all(torch.equal(ck.model[k], v) for k, v in model.state_dict().items())
-    checkpoint.set_rng_state(ck.rng[0])
+    resume.set_rng_state(ck.rng[0])
     assert torch.equal(torch.rand(3), expected)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temp file left
 
@@ -66,18 +67,18 @@ def test_truncated_foreign_and_other_run_are_refused(tmp_path):
     path = _save(tmp_path, cfg)
     raw = open(path, "rb").read()
     open(path, "wb").write(raw[:-100])
-    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
-        checkpoint.load(path)
+    with pytest.raises(resume.CheckpointError, match="truncated"):
+        resume.load(path)
     open(path, "wb").write(raw[:-1] + bytes([raw[-1] ^ 1]))
-    with pytest.raises(checkpoint.CheckpointError, match="SHA-256"):
-        checkpoint.load(path)
+    with pytest.raises(resume.CheckpointError, match="SHA-256"):
+        resume.load(path)
     torch.save({"model": {}}, path)  # a plain torch file
-    with pytest.raises(checkpoint.CheckpointError, match="not a labkit checkpoint"):
-        checkpoint.load(path)
+    with pytest.raises(resume.CheckpointError, match="not a labkit checkpoint"):
+        resume.load(path)
     open(path, "wb").write(raw)
-    with pytest.raises(checkpoint.CheckpointError, match="different run.*fingerprint"):
-        checkpoint.load(path, cfg.replace(lr=0.01))
-    assert checkpoint.load(path, cfg.replace(steps=99)).step == 3  # steps may change
+    with pytest.raises(resume.CheckpointError, match="different run.*fingerprint"):
+        resume.load(path, cfg.replace(lr=0.01))
+    assert resume.load(path, cfg.replace(steps=99)).step == 3  # steps may change
 
 
 @contextmanager
@@ -100,9 +101,9 @@ def test_a_folder_refusing_writes_keeps_the_previous_checkpoint(tmp_path):
     cfg = RunConfig(strategy="single", world_size=1)
     _save(tmp_path, cfg, step=3)
     with refusing_writes(tmp_path):
-        with pytest.raises(checkpoint.CheckpointError, match="previous one.*intact"):
+        with pytest.raises(resume.CheckpointError, match="previous one.*intact"):
             _save(tmp_path, cfg, step=4)
-    assert checkpoint.load(str(tmp_path), cfg).step == 3
+    assert resume.load(str(tmp_path), cfg).step == 3
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
 
@@ -116,12 +117,12 @@ def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
-        with pytest.raises(checkpoint.CheckpointError, match="previous one.*intact"):
+        with pytest.raises(resume.CheckpointError, match="previous one.*intact"):
             _save(tmp_path, cfg, step=9, model=nn.Linear(256, 256))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)
-    assert checkpoint.load(str(tmp_path), cfg).step == 3
+    assert resume.load(str(tmp_path), cfg).step == 3
     assert os.path.getsize(tmp_path / "checkpoint.pt") == size
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
@@ -131,7 +132,7 @@ def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     [
         (dict(checkpoint_every=5), "needs a folder: set checkpoint_dir"),
         (dict(checkpoint_dir="x", checkpoint_every=-1), "checkpoint_every must be >= 0"),
-        (dict(checkpoint_dir="x", strategy="pipeline_gpipe"), "data-parallel strategies"),
+        (dict(checkpoint_dir="x", strategy="pipeline_gpipe"), "saves the shared training loop"),
         (dict(checkpoint_dir="x", strategy="ddp_naive", slowdown="1:2"), "load-balancing"),
     ],
 )
@@ -177,7 +178,7 @@ def test_ten_steps_equal_five_then_five_resumed_also_from_two_ranks_to_one(tmp_p
     alone = experiment.run(base.replace(strategy="single", world_size=1, checkpoint_dir=folder))
     assert max((straight[k] - alone.params[k]).abs().max().item() for k in straight) <= 1e-5
     assert any("world size 2" in n for n in alone.notes)
-    steps = [r for r in checkpoint.read_timeline(folder) if r["event"] == "step"]
+    steps = [r for r in resume.read_timeline(folder) if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 11))
     assert [r["world_size"] for r in steps] == [2] * 5 + [1] * 5
 
@@ -303,7 +304,7 @@ def test_a_killed_rank_is_restarted_and_resumes_from_the_checkpoint(tmp_path):
         steps["attempt"] == 0
     ]["step"].max() - (first - 1)
     assert steps.groupby("attempt")["step"].max()[1] == 40
-    starts = [r for r in checkpoint.read_timeline(job.cfg.checkpoint_dir) if r["event"] == "start"]
+    starts = [r for r in resume.read_timeline(job.cfg.checkpoint_dir) if r["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, first - 1]
     recs = json.loads((tmp_path / "records.json").read_text())
     assert {x["attempt"] for x in recs["records"]} == {1} and recs["meta"]["timeline"]
@@ -339,13 +340,13 @@ def test_a_node_joins_and_leaves_and_the_global_batch_stays(tmp_path):
     # every step 1..last was trained, each with the whole global batch
     last_step = int(steps["step"].max())
     assert sorted(steps["step"].drop_duplicates()) == list(range(1, last_step + 1))
-    rows = [r for r in checkpoint.read_timeline(job.cfg.checkpoint_dir) if r["event"] == "step"]
+    rows = [r for r in resume.read_timeline(job.cfg.checkpoint_dir) if r["event"] == "step"]
     assert {r["samples"] for r in rows} == {32}
     # the same samples, the same updates: the loss curve is the one-process curve
     ref = experiment.run(cfg.replace(strategy="single", world_size=1, steps=last_step, pace_s=0))
     last = steps.drop_duplicates("step", keep="last").set_index("step")["loss"]
     assert (last - ref.records.set_index(ref.records["step"] + 1)["loss"]).abs().max() < 1e-4
-    assert checkpoint.load(job.cfg.checkpoint_dir).step == last_step
+    assert resume.load(job.cfg.checkpoint_dir).step == last_step
 
 
 def test_an_endpoint_nobody_serves_times_out_clearly(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from labkit import RunConfig, experiment
+from labkit import RunConfig, equivalence
 from labkit.equivalence import batch_stat_layers, random_layers, without_dropout
 
 BASE = RunConfig(strategy="ddp", world_size=2, global_batch=32, dataset_size=128, timeout_s=180)
@@ -66,7 +66,7 @@ def test_inspection_names_batch_statistics_and_randomness():
 @pytest.mark.parametrize(
     "name, model_fn, data_fn, adjust",
     [
-        ("batchnorm mlp", bn_mlp, vectors, "sync batchnorm (labkit.syncbn over gloo)"),
+        ("batchnorm mlp", bn_mlp, vectors, "sync batchnorm (labkit.rank.syncbn over gloo)"),
         ("dropout mlp", dropout_mlp, vectors, "dropout off"),
         (
             "transformer, default dropout",
@@ -80,7 +80,7 @@ def test_inspection_names_batch_statistics_and_randomness():
 def test_check_passes_with_what_must_hold_stated(name, model_fn, data_fn, adjust):
     if "transformer" in name and torch.cuda.is_available():
         pytest.skip("CPU ranks are what this checks")
-    result = experiment.check(
+    result = equivalence.check(
         BASE, ["ddp", "ddp_naive"], steps=3, model_fn=model_fn, data_fn=data_fn
     )
     assert result["ok"].all(), result.to_string()
@@ -98,7 +98,7 @@ def test_resnet18_on_small_images_passes_for_ddp_on_cpu_ranks():
     # difference of summing over two ranks grows fast and unevenly: at lr 0.01 one machine gave
     # 2.4e-7, 7.2e-7, then 2.9e-4 after steps 1, 2, 3 (another passed); at 0.002, 6e-7 at step 3
     cfg = BASE.replace(global_batch=16, dataset_size=32, lr=0.002)
-    result = experiment.check(
+    result = equivalence.check(
         cfg,
         ["ddp"],
         steps=3,
@@ -112,7 +112,7 @@ def test_resnet18_on_small_images_passes_for_ddp_on_cpu_ranks():
 
 
 def test_buffers_are_compared_and_a_batchnorm_pipeline_says_why_it_differs():
-    result = experiment.check(
+    result = equivalence.check(
         BASE.replace(microbatches=4),
         ["model_parallel", "pipeline_1f1b"],
         steps=2,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit import RunConfig, experiment
+from labkit import RunConfig, equivalence, experiment
 
 SMALL = RunConfig(
     strategy="ddp",
@@ -105,11 +105,11 @@ def test_pipelines_name_the_options_for_a_model_they_cannot_cut(no_launch):
 def test_activation_checkpointing_a_model_it_cannot_cut_is_refused_before_launch(no_launch):
     with pytest.raises(ValueError, match="checkpoints each block of an nn.Sequential") as err:
         experiment.run(
-            SMALL.replace(checkpoint=True),
+            SMALL.replace(activation_checkpointing=True),
             model_fn=lambda cfg: TinyTransformer(),
             data_fn=global_rng_data,
         )
-    assert "set checkpoint=False" in str(err.value)
+    assert "set activation_checkpointing=False" in str(err.value)
 
 
 def test_a_list_of_stage_modules_is_a_pipeline():
@@ -130,7 +130,7 @@ def test_a_list_of_stage_modules_is_a_pipeline():
 def test_a_global_rng_data_fn_gives_every_strategy_the_same_data():
     # data_fn and model_fn draw from the global RNG: each is called once per rank, from the
     # same seeded state, so every strategy (pipelines too) trains on the same data and weights
-    result = experiment.check(
+    result = equivalence.check(
         SMALL,
         ["ddp", "ddp_naive", "model_parallel", "pipeline_gpipe", "pipeline_1f1b"],
         world_size=2,

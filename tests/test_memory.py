@@ -12,11 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, experiment, memory, precision
-from labkit.__main__ import build_parser, config_from_args
-from labkit.memory import MemoryMeter, checkpoint_blocks
-from labkit.models import cnn
+from labkit import RunConfig, env, equivalence, experiment, memory
+from labkit.cli import build_parser
+from labkit.env import fp16_supported
+from labkit.flags import config_from_args
+from labkit.models import checkpoint_blocks, cnn
 from labkit.predict.memory import activation_bytes, shard_numels, transformer
+from labkit.rank import precision
+from labkit.rank.memory_meter import MemoryMeter
 
 BASE = RunConfig(
     strategy="ddp",
@@ -139,8 +142,8 @@ def test_seven_billion_transformer_row_is_the_paper_formula():
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"precision": "fp8"}, "precision must be one of"),
-        ({"strategy": "pipeline_gpipe", "precision": "bf16"}, "knobs of the data-parallel loop"),
+        ({"precision": "fp8"}, "unknown precision 'fp8'"),
+        ({"strategy": "pipeline_gpipe", "precision": "bf16"}, "changes the shared training loop"),
         ({"strategy": "fsdp", "precision": "fp16"}, "use precision='bf16'"),
     ],
 )
@@ -150,22 +153,24 @@ def test_bad_memory_settings_say_how(changes, match):
 
 
 def test_fp16_unsupported_names_bf16(monkeypatch):
-    monkeypatch.setattr(precision, "fp16_supported", lambda kind: False)
+    monkeypatch.setattr(env, "fp16_supported", lambda kind: False)
     with pytest.raises(ValueError, match="use precision='bf16'"):
         BASE.replace(strategy="single", world_size=1, precision="fp16", device="cpu")
 
 
 def test_cli_flags_reach_the_config():
-    args = build_parser().parse_args(["memory", "--precision", "bf16", "--checkpoint"])
+    args = build_parser().parse_args(
+        ["memory", "--precision", "bf16", "--activation-checkpointing"]
+    )
     cfg = config_from_args(args, strategy="ddp", world_size=2)
-    assert (cfg.precision, cfg.checkpoint) == ("bf16", True)
+    assert (cfg.precision, cfg.activation_checkpointing) == ("bf16", True)
 
 
 # ---- real ranks --------------------------------------------------------------------------------
 
 
 def test_zero1_and_fsdp_match_single(no_leftover_ranks):
-    table = experiment.check(BASE, ["zero1", "fsdp"], world_size=2, steps=3)
+    table = equivalence.check(BASE, ["zero1", "fsdp"], world_size=2, steps=3)
     assert table["ok"].all(), table[["strategy", "max_abs_diff"]]
     assert (table["max_abs_diff"] <= 1e-5).all()
 
@@ -174,7 +179,7 @@ def test_bf16_and_fp16_track_fp32(no_leftover_ranks):
     cfg = BASE.replace(strategy="single", world_size=1, steps=12, warmup=0, lr=0.2)
     runs = {
         p: experiment.run(cfg.replace(precision=p)).records
-        for p in (["fp32", "bf16"] + (["fp16"] if precision.fp16_supported("cpu") else []))
+        for p in (["fp32", "bf16"] + (["fp16"] if fp16_supported("cpu") else []))
     }
     ref = runs["fp32"].set_index("step")["loss"]
     for p, rec in runs.items():
@@ -209,7 +214,7 @@ def test_calculator_matches_counted_at_world_sizes_1_and_2(no_leftover_ranks):
 
 
 def test_memory_command_prints_categories_and_errors(capsys, no_leftover_ranks):
-    from labkit.__main__ import main
+    from labkit.cli import main
 
     assert (
         main(
@@ -235,7 +240,7 @@ def test_memory_command_prints_categories_and_errors(capsys, no_leftover_ranks):
 def test_checkpointing_lowers_counted_activations_on_ranks(no_leftover_ranks):
     cfg = BASE.replace(model="cnn", width=64, depth=3, steps=1)
     plain = experiment.run(cfg).records
-    ckpt = experiment.run(cfg.replace(checkpoint=True)).records
+    ckpt = experiment.run(cfg.replace(activation_checkpointing=True)).records
     assert ckpt["mem_activations_bytes"].max() < plain["mem_activations_bytes"].min()
-    err = memory.calculator_error(ckpt, cfg.replace(checkpoint=True))
+    err = memory.calculator_error(ckpt, cfg.replace(activation_checkpointing=True))
     assert (err["error"].abs() <= 0.05).all(), err

@@ -12,9 +12,12 @@ import sys
 import pytest
 import torch
 
-from labkit import RunConfig, timeline
+from labkit import RunConfig, models, timeline
 from labkit.experiment import run
 from labkit.models import even_bounds, make_model
+from labkit.predict.schedule import bubble_per_stage, theory_bubble
+from labkit.rank.profiling import layer_costs
+from labkit.records import bubble_error
 
 # A small model: equivalence runs are about arithmetic, not speed.
 SMALL = RunConfig(
@@ -39,8 +42,8 @@ SMALL = RunConfig(
 def test_ideal_schedule_bubble_is_the_formula(schedule, stages, microbatches):
     events = timeline.theoretical_events(schedule, stages, microbatches, 1.0, 2.0)
     assert len(events) == 2 * stages * microbatches
-    for s, bubble in timeline.bubble_fraction(events).items():
-        assert bubble == pytest.approx(timeline.theory_bubble(stages, microbatches)), s
+    for s, bubble in bubble_per_stage(events).items():
+        assert bubble == pytest.approx(theory_bubble(stages, microbatches)), s
 
 
 def test_1f1b_holds_at_most_p_microbatches_and_gpipe_holds_m():
@@ -57,12 +60,12 @@ def test_partition_minimises_the_slowest_stage():
         costs = [rng.uniform(0.1, 5) for _ in range(rng.randint(2, 8))]
         stages = rng.randint(1, len(costs))
         best = min(
-            max(timeline.stage_costs(costs, [0, *cut]))
+            max(models.stage_costs(costs, [0, *cut]))
             for cut in itertools.combinations(range(1, len(costs)), stages - 1)
         )
-        bounds = timeline.partition(costs, stages)
+        bounds = models.partition(costs, stages)
         assert len(bounds) == stages and bounds[0] == 0
-        assert max(timeline.stage_costs(costs, bounds)) == pytest.approx(best)
+        assert max(models.stage_costs(costs, bounds)) == pytest.approx(best)
 
 
 # ---- equivalence with single -------------------------------------------------------------------
@@ -148,7 +151,7 @@ WIDE = DEFAULTS.replace(
 # a step counts only if every stage got at least 0.9. If other processes leave fewer than 2 such
 # steps, the measurement did not hold still and the test skips, saying so with the numbers (it
 # runs in CI, where nothing competes). The error held to the goal is per step (each step is
-# predicted from its own costs), its median over the clean steps: ``experiment.bubble_error``.
+# predicted from its own costs), its median over the clean steps: ``bubble_error``.
 CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, 0.05
 
 
@@ -156,7 +159,7 @@ CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, 0.05
 @pytest.mark.parametrize("size", ["defaults", "wide"])
 @pytest.mark.parametrize("schedule", ["pipeline_gpipe", "pipeline_1f1b"])
 def test_predicted_bubble_matches_measured_at_p2(schedule, size):
-    from labkit.experiment import bubble_error, step_bubbles
+    from labkit.records import step_bubbles
 
     base = DEFAULTS if size == "defaults" else WIDE
     measured, report = {}, {}
@@ -165,7 +168,7 @@ def test_predicted_bubble_matches_measured_at_p2(schedule, size):
         clean = step_bubbles(df, CLEAN_SHARE)
         predicted = step_bubbles(df, CLEAN_SHARE, column="bubble_predicted")
         report[M] = {
-            "theory": round(timeline.theory_bubble(2, M), 3),
+            "theory": round(theory_bubble(2, M), 3),
             "clean steps": len(clean),
             "cpu share": round(float(df["compute_cpu_share"].median()), 2),
         }
@@ -232,11 +235,11 @@ def test_balancing_evens_out_the_stages():
         timeout_s=120,
     )
     model = make_model(cfg)
-    costs = timeline.layer_costs(model, torch.randn(cfg.global_batch // 4, cfg.in_features))
-    balanced = timeline.partition(costs, 2)
+    costs = layer_costs(model, torch.randn(cfg.global_batch // 4, cfg.in_features))
+    balanced = models.partition(costs, 2)
     even = even_bounds(len(model), 2)
     assert balanced != even
-    assert max(timeline.stage_costs(costs, balanced)) < max(timeline.stage_costs(costs, even))
+    assert max(models.stage_costs(costs, balanced)) < max(models.stage_costs(costs, even))
 
     def imbalance(df):  # the busiest stage's compute over the idlest's (medians over steps)
         per_stage = (df["forward_s"] + df["backward_s"]).groupby(df["rank"]).median()
@@ -245,7 +248,7 @@ def test_balancing_evens_out_the_stages():
     # a ratio within each run, so the VM's drift (one run's step moved by 30 % from the next, and
     # a fresh clone once measured both runs ~40 % slower than here) cancels; measured here:
     # 6.3-7.6 with equal layer counts, 1.75-2.2 balanced
-    before, after = run(cfg).records, run(cfg.replace(balance=True)).records
+    before, after = run(cfg).records, run(cfg.replace(balance_stages=True)).records
     assert imbalance(after) < 0.5 * imbalance(before), (imbalance(before), imbalance(after))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from labkit import timeline
 from labkit.predict import ScheduleCosts, costs_from_steps, predict_step, simulate
+from labkit.predict.schedule import theory_bubble
 
 
 def _by_key(events):
@@ -43,7 +43,7 @@ def test_a_dispatch_gap_separates_consecutive_actions_on_a_stage():
 def test_free_handoffs_give_the_closed_form(schedule, stages, microbatches):
     out = predict_step(schedule, microbatches, ScheduleCosts.uniform(stages, 1.0, 2.0))
     for bubble in out["bubble_per_stage"].values():
-        assert bubble == pytest.approx(timeline.theory_bubble(stages, microbatches))
+        assert bubble == pytest.approx(theory_bubble(stages, microbatches))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

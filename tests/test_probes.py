@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from labkit.models import mlp
-from labkit.probes import PHASES, TIME_COLUMNS, StepProbe, grad_bytes, peak_memory, probe_overhead_s
+from labkit.rank.probes import (
+    PHASES,
+    TIME_COLUMNS,
+    StepProbe,
+    grad_bytes,
+    peak_memory,
+    probe_overhead_s,
+)
 
 NAP_S = 0.01  # long enough to see, short enough to keep tests fast
 

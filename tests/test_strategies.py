@@ -7,15 +7,16 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, experiment
+from labkit import RunConfig, equivalence, experiment
 from labkit.data import ToyClassification
-from labkit.probes import TIME_COLUMNS
+from labkit.rank.probes import TIME_COLUMNS
+from labkit.records import BUSY_SHARE, summarize
 
 SMALL = RunConfig(width=64, depth=2, global_batch=32, dataset_size=512, steps=4, warmup=1)
 
 
 def test_every_data_parallel_strategy_matches_single_at_world_size_2():
-    result = experiment.check(SMALL, ["dp", "ddp", "ddp_naive"], world_size=2, steps=5)
+    result = equivalence.check(SMALL, ["dp", "ddp", "ddp_naive"], world_size=2, steps=5)
     assert list(result["strategy"]) == ["dp", "ddp", "ddp_naive"]
     assert result["ok"].all(), result
     assert (result["max_abs_diff"] <= 1e-5).all()
@@ -114,7 +115,7 @@ def test_summarize_computes_aggregates_from_records():
                         "compute_cpu_share": 0.2 + 0.35 * ws,
                     }
                 )
-    table = experiment.summarize(pd.DataFrame(rows)).set_index("run")
+    table = summarize(pd.DataFrame(rows)).set_index("run")
     assert list(table.index) == ["single (2 threads)", "single (1 thread)", "ddp@2"]
     assert table.loc["single (2 threads)", "samples_per_s"] == pytest.approx(640)
     assert table.loc["ddp@2", "step_ms"] == pytest.approx(100)  # max over ranks
@@ -185,6 +186,6 @@ def test_a_busy_machine_is_flagged_instead_of_reported_as_speed():
         for p in spinners:
             p.kill()
             p.wait()
-    table = experiment.summarize(df)
+    table = summarize(df)
     assert table["busy"].all(), table[["run", "cpu_share"]]
-    assert table["cpu_share"].iloc[0] < experiment.BUSY_SHARE
+    assert table["cpu_share"].iloc[0] < BUSY_SHARE

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from labkit import RunConfig, experiment, sync_async
+from labkit.records import config_label
 from labkit.strategies import diloco, hogwild
 from labkit.strategies.async_ps import ParameterServer
 
@@ -60,7 +61,7 @@ def test_straggler_is_allowed_on_the_labs_modes_and_async_ps_batches_per_worker(
         assert BASE.replace(strategy=mode, slowdown="1:3").slowdown == ((1, 3.0, None),)
     ps = BASE.replace(strategy="async_ps", world_size=3, global_batch=64)
     assert ps.data_ranks == 2 and ps.batch_per_rank == 32
-    labels = [experiment.config_label(c) for c in sync_async.sweep(BASE, straggler=3)]
+    labels = [config_label(c) for c in sync_async.sweep(BASE, straggler=3)]
     assert labels == [
         "ddp@2 slow 1:3",
         "local_sgd@2 H=4, slow 1:3",
@@ -358,7 +359,7 @@ def test_cli_compare_takes_the_labs_flags_and_prints_the_to_target_table(tmp_pat
     ],
 )
 def test_cli_bad_lab_flags_exit_2_naming_the_flag(args, message, capsys):
-    from labkit.__main__ import main  # in process: refused before anything runs
+    from labkit.cli import main  # in process: refused before anything runs
 
     assert main(["compare", "--world-sizes", "2", "--steps", "2", *args]) == 2
     err = capsys.readouterr().err

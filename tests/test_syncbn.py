@@ -1,4 +1,5 @@
-"""labkit.syncbn: batch norm over the global batch on CPU ranks equals BatchNorm on one device."""
+"""labkit.rank.syncbn: batch norm over the global batch on CPU ranks equals BatchNorm on one
+device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from labkit import launch
 from labkit.equivalence import batch_stat_layers
-from labkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from labkit.rank.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 
 def _bn_inputs(shape):

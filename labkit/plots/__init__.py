@@ -5,8 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from ..experiment import phase_breakdown, run_label
-from ..probes import PHASES
+from .. import registry
+from ..rank.probes import PHASES
+from ..records import phase_breakdown, run_label
 
 PHASE_COLORS = {
     "data": "#9e9e9e",
@@ -33,6 +34,7 @@ def throughput(table: pd.DataFrame) -> go.Figure:
                 name=strategy,
                 mode="lines+markers",
                 text=g["run"],
+                line={"color": registry.get(strategy).colour},
             )
         )
     ideal = runs.assign(ideal=runs["samples_per_s"] / runs["efficiency"]).dropna(subset=["ideal"])
@@ -112,7 +114,7 @@ def loss_curves(records: pd.DataFrame) -> go.Figure:
 
 
 def records_label(records: pd.DataFrame) -> pd.Series:
-    """Each record's run label (``experiment.run_label``)."""
+    """Each record's run label (``run_label``)."""
     threads = records["threads"] if "threads" in records else pd.Series(1, index=records.index)
     variants = records["variant"].fillna("") if "variant" in records else [""] * len(records)
     return pd.Series(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from ..memory import CATEGORIES
+from ..predict.memory import CATEGORIES
 
 COLORS = {
     "params": "#4c78a8",

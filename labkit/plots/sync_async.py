@@ -6,13 +6,8 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-MODE_COLORS = {
-    "ddp": "#4c78a8",
-    "local_sgd": "#f58518",
-    "diloco": "#54a24b",
-    "async_ps": "#e45756",
-    "hogwild": "#b279a2",
-}
+from .. import registry
+
 AXES = {
     "update": "model updates",
     "time_s": "seconds since the first measured step",
@@ -36,7 +31,7 @@ def loss_curves(curves: pd.DataFrame, x: str = "time_s", target: float | None = 
                 mode="lines",
                 name=run,
                 line={
-                    "color": MODE_COLORS.get(g["strategy"].iloc[0]),
+                    "color": registry.get(g["strategy"].iloc[0]).colour,
                     "dash": "dash" if "slow" in run else "solid",
                 },
             )
@@ -85,7 +80,7 @@ def to_target_bars(table: pd.DataFrame, column: str = "seconds_to_target") -> go
         go.Bar(
             x=table["run"],
             y=table[column] / (1e6 if "bytes" in column else 1),
-            marker_color=[MODE_COLORS.get(s, "gray") for s in table["strategy"]],
+            marker_color=[registry.get(s).colour for s in table["strategy"]],
             marker_pattern_shape=["/" if "slow" in r else "" for r in table["run"]],
             text=[
                 ("-" if pd.isna(v) else f"{v / 1e6:.1f} MB" if "bytes" in column else f"{v:.3g}")

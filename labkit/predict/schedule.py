@@ -230,3 +230,8 @@ def predict_step(
         "bubble": statistics.mean(per_stage.values()),
         "events": events,
     }
+
+
+def theory_bubble(stages: int, microbatches: int) -> float:
+    """Idle share of each stage for P equal stages and M micro-batches: (P-1)/(M+P-1)."""
+    return (stages - 1) / (microbatches + stages - 1)

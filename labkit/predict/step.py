@@ -40,6 +40,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from .. import registry
+from ..models import even_bounds  # the split labkit's pipelines use
+from ..shares import split
 from .collectives import CollectiveModel
 from .schedule import ScheduleCosts
 from .schedule import predict_step as simulate_pipeline
@@ -47,7 +50,6 @@ from .schedule import predict_step as simulate_pipeline
 MIB = 2**20
 FIRST_BUCKET_BYTES = MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_MB = 25.0
-PIPELINES = {"model_parallel": "model_parallel", "pipeline_gpipe": "gpipe", "pipeline_1f1b": "1f1b"}
 
 
 @dataclass(frozen=True)
@@ -315,7 +317,7 @@ def predict(
     optimizer step (summed over ranks and accumulation micro-steps)."""
     if world_size < 1 or global_batch < 1 or accumulate < 1:
         raise ValueError("world_size, global_batch and accumulate must be at least 1")
-    if strategy in PIPELINES:
+    if registry.get(strategy).kind == "pipeline":
         return _pipeline(
             profile,
             network,
@@ -328,7 +330,7 @@ def predict(
     if strategy not in ("single", "ddp", "ddp_naive"):
         raise ValueError(
             f"no predictor for strategy {strategy!r}: single, ddp, ddp_naive, "
-            f"{', '.join(PIPELINES)}"
+            f"{', '.join(registry.PIPELINES)}"
         )
     ranks = 1 if strategy == "single" else world_size
     micro = profile.at_batch(global_batch / ranks / accumulate)
@@ -372,8 +374,6 @@ def _pipeline(
 ) -> StepPrediction:
     layers = profile.at_batch(global_batch / microbatches).layers
     if bounds is None:
-        from ..models import even_bounds  # the split labkit's pipelines use
-
         bounds = even_bounds(len(layers), stages)
     bounds = list(bounds)
     ends = bounds[1:] + [len(layers)]
@@ -385,7 +385,7 @@ def _pipeline(
         tuple(sum(x.backward_s for x in p) for p in parts),
         hop,
     )
-    sim = simulate_pipeline(PIPELINES[strategy], microbatches, costs)
+    sim = simulate_pipeline(registry.get(strategy).schedule, microbatches, costs)
     busiest = max(range(stages), key=lambda s: costs.forward_s[s] + costs.backward_s[s])
     compute = microbatches * (costs.forward_s[busiest] + costs.backward_s[busiest])
     fwd_share = costs.forward_s[busiest] / max(
@@ -438,8 +438,8 @@ def predict_balance(
     policy: str = "static",
     weights: Sequence[float] | None = None,
 ) -> dict:
-    """``ddp_naive`` on ranks of unequal speed (``labkit.balance``): each rank computes its share
-    of the global batch ``slowdown[r]`` times slower than profiled, the step waits for the
+    """``ddp_naive`` on ranks of unequal speed (``labkit.rank.balancer``): each rank computes
+    its share of the global batch ``slowdown[r]`` times slower than profiled, the step waits for the
     slowest, then one all-reduce of every gradient as a flat message, and the optimizer.
 
     ``policy="static"``: shares in proportion to ``weights`` (even, or the data skew);
@@ -447,8 +447,6 @@ def predict_balance(
     throughput stop moving: every rank computes equally long. Returns the step, each rank's
     share, compute and wait, and the throughput against the sum of the ranks' solo throughputs
     (the measured ``throughput_fraction``'s prediction)."""
-    from ..balance import split
-
     factors = list(slowdown or [1.0] * world_size)
     if len(factors) != world_size:
         raise ValueError(f"slowdown has {len(factors)} factors for {world_size} ranks")

@@ -175,7 +175,7 @@ def curve_from_predictor(
 
 
 def curve_from_records(table, name: str = "measured", spread_factor: float = 1.0) -> Curve:
-    """A curve from ``labkit.experiment.summarize``'s table (one row per world size of one
+    """A curve from ``labkit.records.summarize``'s table (one row per world size of one
     model): samples/s of the fastest data-parallel row at each world size."""
     dp = table[table["strategy"].isin(["single", "ddp", "ddp_naive"])]
     if dp.empty:

@@ -1,6 +1,6 @@
 """The real replay: a small trace of short labkit training runs scheduled on this machine's
 cores (2 "GPUs" = 2 cores, one thread per worker), with real preemption (checkpoint, stop,
-resume: ``labkit.checkpoint``) and real elastic resizing (a job resumes its checkpoint at another
+resume: ``labkit.rank.resume``) and real elastic resizing (a job resumes its checkpoint at another
 world size: ``single`` on 1 worker, ``ddp`` on 2, the same global batch and update), and the same
 trace through the simulator fed with this machine's measured curves and restart costs.
 
@@ -116,11 +116,12 @@ class Calibration:
 
 def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
     """(wall seconds, seconds the steps took, steps, busy) of one run. The steps' time comes
-    from the checkpoint timeline's step stamps (``labkit.checkpoint``), so it includes writing a
+    from the checkpoint timeline's step stamps (``labkit.rank.resume``), so it includes writing a
     checkpoint after every step, as the replay does; the rest of the wall time is start-up
     (launch, model build, resume) and teardown."""
-    from ..checkpoint import read_timeline
-    from ..experiment import BUSY_SHARE, run
+    from ..experiment import run
+    from ..rank.resume import read_timeline
+    from ..records import BUSY_SHARE
 
     t0 = time.perf_counter()
     res = run(cfg, cancel=cancel)
@@ -238,7 +239,7 @@ class _Handle:
 
 
 def _checkpointed_step(folder: str) -> int:
-    from ..checkpoint import read_timeline
+    from ..rank.resume import read_timeline
 
     steps = [r["step"] for r in read_timeline(folder) if r.get("event") == "checkpoint"]
     return max(steps, default=0)

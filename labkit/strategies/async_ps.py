@@ -34,8 +34,8 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
-from ..probes import peak_memory
-from .common import Progress, build_model, data_iter, final_state, train_loop
+from ..rank.loop import Progress, build_model, data_iter, final_state, train_loop
+from ..rank.probes import record
 
 PUSH, DONE = 1.0, 2.0
 HEADER = 4  # kind, version, loss, samples
@@ -152,38 +152,36 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         t3 = time.perf_counter()
         step = server.version - 1 - warmup_updates
         if step >= 0:
+            base = {
+                "strategy": "async_ps",
+                "world_size": cfg.world_size,
+                "rank": 0,
+                "device": str(ctx.device),
+                "global_batch": cfg.global_batch,
+                "accumulate": 1,
+                "threads": torch.get_num_threads(),
+            }
+            # the server's time between updates: waiting for a push, applying it, replying
+            times = {"wait_s": t1 - last, "comm_s": t3 - t2, "optimizer_s": t2 - t1,
+                     "step_s": t3 - last}  # fmt: skip
             records.append(
-                {
-                    "strategy": "async_ps",
-                    "world_size": cfg.world_size,
-                    "rank": 0,
-                    "device": str(ctx.device),
-                    "global_batch": cfg.global_batch,
-                    "accumulate": 1,
-                    "threads": torch.get_num_threads(),
-                    "role": "server",
-                    "step": step,
-                    "shard_loss": loss,
-                    "samples": int(samples),
-                    "worker": src,
-                    "staleness": stale,
-                    "lr_scale": server.log[-1]["lr_scale"],
-                    "grad_version": int(version),
-                    # the server's time between updates: waiting for a push, applying it, replying
-                    "data_s": 0.0,
-                    "forward_s": 0.0,
-                    "backward_s": 0.0,
-                    "wait_s": t1 - last,
-                    "comm_s": t3 - t2,
-                    "sync_overhead_s": 0.0,
-                    "optimizer_s": t2 - t1,
-                    "step_s": t3 - last,
-                    "start_s": last,
-                    "compute_cpu_share": float("nan"),
-                    "peak_mem_bytes": peak_memory(ctx.device),
-                    # the server sends the parameters back; it receives the gradient (the worker's)
-                    "comm_bytes": 4 * (n + 1),
-                }
+                record(
+                    base,
+                    step,
+                    loss,
+                    samples,
+                    times,
+                    start_s=last,
+                    cpu_share=float("nan"),
+                    device=ctx.device,
+                    # the server sends the parameters back; it receives the worker's gradient
+                    comm_bytes=4 * (n + 1),
+                    role="server",
+                    worker=src,
+                    staleness=stale,
+                    lr_scale=server.log[-1]["lr_scale"],
+                    grad_version=int(version),
+                )
             )
             progress(step + 1, loss, int(samples))
         last = t3

@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from ..probes import grad_bytes
-from .common import backward_time_without_comm, build_model, data_iter, train_loop
+from ..rank.loop import backward_time_without_comm, build_model, data_iter, train_loop
+from ..rank.probes import grad_bytes
 
 MIB = 2**20
 

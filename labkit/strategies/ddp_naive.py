@@ -3,7 +3,7 @@
 Start from identical weights (broadcast from rank 0), and after every backward all-reduce each
 gradient on its own and divide by the world size. Correct, but every all-reduce waits for the
 whole backward to finish and pays one latency per parameter tensor. Because the sync is one
-explicit point after backward, this is also where the load-balancing lab (``labkit.balance``)
+explicit point after backward, this is also where the load-balancing lab (``labkit.rank.balancer``)
 times each rank's wait for the slowest one and re-weights unequal shares of the batch; there
 the gradients go as one flat message (``all_reduce_flat``, one DDP bucket's worth), so that
 the lab's throughput measures the balance, not ten all-reduce latencies.
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..balance import Balancer
 from ..config import RunConfig
 from ..dist import RankContext, all_reduce_flat, broadcast_parameters
 from ..factories import Factories
-from ..probes import grad_bytes
-from ..uneven import JoinableSync
-from .common import build_model, data_iter, train_loop
+from ..rank.balancer import Balancer
+from ..rank.join import JoinableSync
+from ..rank.loop import build_model, data_iter, train_loop
+from ..rank.probes import grad_bytes
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
-from ..probes import grad_bytes
-from .common import build_model, data_iter, train_loop
+from ..rank.loop import build_model, data_iter, train_loop
+from ..rank.probes import grad_bytes
 
 
 def outer_optimizer(global_params: list[torch.Tensor], lr: float, momentum: float):

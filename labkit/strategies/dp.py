@@ -14,7 +14,7 @@ from torch import nn
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from .common import build_model, data_iter, train_loop
+from ..rank.loop import build_model, data_iter, train_loop
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:

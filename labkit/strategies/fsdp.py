@@ -19,8 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from ..probes import grad_bytes
-from .common import build_model, data_iter, train_loop
+from ..rank.loop import build_model, data_iter, train_loop
+from ..rank.probes import grad_bytes
 
 
 def shard(model, ctx: RankContext):

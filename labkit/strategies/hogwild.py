@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from .common import build_model, data_iter, final_state, train_loop
+from ..rank.loop import build_model, data_iter, final_state, train_loop
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 

@@ -22,8 +22,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
-from ..probes import grad_bytes
-from .common import build_model, data_iter, train_loop
+from ..rank.loop import build_model, data_iter, train_loop
+from ..rank.probes import grad_bytes
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:

@@ -17,8 +17,8 @@ from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
 from ..models import even_bounds, split
+from ..rank.loop import build_model, data_iter, train_loop
 from . import pipeline
-from .common import build_model, data_iter, train_loop
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:

@@ -18,21 +18,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import timeline
+from .. import registry
 from ..config import RunConfig
 from ..dist import RankContext, clock_offset
 from ..factories import Factories
-from .stages import ActivationMeter, EventLog, Stage, StepOut, make_stage, train_stages
-
-_SCHEDULES = {
-    "pipeline_gpipe": "gpipe",
-    "pipeline_1f1b": "1f1b",
-    "model_parallel": "model_parallel",
-}
+from ..predict.schedule import stage_actions
+from ..rank.stages import ActivationMeter, EventLog, Stage, StepOut, make_stage, train_stages
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
-    schedule = _SCHEDULES[cfg.strategy]
+    schedule = registry.get(cfg.strategy).schedule
     stage = make_stage(cfg, ctx, fns)
     optimizer = fns.optimizer(cfg, stage.module.parameters())
     loss_fn = fns.loss(cfg)
@@ -41,7 +36,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     notes = [
         f"stage {stage.index} holds blocks {stage.bounds[stage.index]}.."
         f"{(stage.bounds + [None])[stage.index + 1] or 'end'} (bounds {stage.bounds}"
-        f"{', balanced by measured cost' if cfg.balance else ', equal layer counts'})"
+        f"{', balanced by measured cost' if cfg.balance_stages else ', equal layer counts'})"
     ]
     if cfg.pipeline_impl == "torch":  # model_parallel.run has already set "scratch"
         step_fn = torch_schedule(cfg, ctx, stage, meter, log, schedule, loss_fn)
@@ -82,7 +77,7 @@ def scratch_schedule(
     are stage indices; messages between a pair of ranks arrive in the order they were sent.
     """
     M = cfg.microbatches
-    actions = timeline.stage_actions(schedule, cfg.stages, M, stage.index)
+    actions = stage_actions(schedule, cfg.stages, M, stage.index)
     prev, nxt = stage.index - 1, stage.index + 1
 
     def recv(like: torch.Tensor, src: int) -> torch.Tensor:

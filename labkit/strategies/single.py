@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from .common import build_model, data_iter, train_loop
+from ..rank.loop import build_model, data_iter, train_loop
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:

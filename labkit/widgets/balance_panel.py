@@ -12,6 +12,7 @@ import pandas as pd
 from .. import experiment, report
 from ..config import REBALANCE, RunConfig
 from ..plots import balance as charts
+from ..records import config_label, summarize
 from .base import BackgroundRun
 
 
@@ -58,7 +59,7 @@ class BalancePanel(BackgroundRun):
         )
 
     def plan(self) -> str:
-        return experiment.config_label(self.config())  # raises ValueError with the fix
+        return config_label(self.config())  # raises ValueError with the fix
 
     def execute(self, cancel: threading.Event) -> pd.DataFrame:
         cfg = self.config()
@@ -75,13 +76,13 @@ class BalancePanel(BackgroundRun):
 
     @property
     def table(self) -> pd.DataFrame | None:
-        return experiment.summarize(self.records) if self.finished else None
+        return summarize(self.records) if self.finished else None
 
     def partial(self) -> pd.DataFrame | None:
         return self.records
 
     def render(self, records: pd.DataFrame) -> list:
-        table = experiment.summarize(records)
+        table = summarize(records)
         note = report.busy_note(table)
         latest = self.finished[-1]
         return (
@@ -95,7 +96,7 @@ class BalancePanel(BackgroundRun):
         )
 
     def done_message(self, records: pd.DataFrame) -> str:
-        row = experiment.summarize(self.finished[-1]).iloc[0]
+        row = summarize(self.finished[-1]).iloc[0]
         return (
             f"done: {row['run']}: {row['throughput_fraction']:.0%} of the ideal throughput, "
             f"ranks waited {row['wait_share']:.0%} of the time ({len(self.finished)} run(s) "

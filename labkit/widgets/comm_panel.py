@@ -14,6 +14,7 @@ from ..comm import knob_label, knob_rows
 from ..config import RunConfig
 from ..env import oversubscription, probe
 from ..plots import communication as charts
+from ..records import LiveLoss
 from .base import BackgroundRun
 
 BUCKETS = {
@@ -128,7 +129,7 @@ class CommPanel(BackgroundRun):
     def execute(self, cancel: threading.Event):
         cfg = self.config()
         bars = self.progress_bars([f"rank {r}" for r in range(cfg.ranks)], cfg.steps)
-        live = experiment.LiveLoss(cfg.ranks)
+        live = LiveLoss(cfg.ranks)
 
         def progress(rank: int, metrics: dict) -> None:
             bar, text = bars[rank]

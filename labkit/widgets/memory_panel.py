@@ -11,10 +11,9 @@ import pandas as pd
 import psutil
 
 from .. import experiment
-from ..config import RunConfig
+from ..config import PRECISIONS, RunConfig
 from ..memory import CATEGORIES, adam, calculator_error, memory_table, predict
 from ..plots import memory as charts
-from ..precision import PRECISIONS
 from .base import BackgroundRun, mime_output
 
 _OPTIMIZERS = {"SGD with momentum": "sgd_momentum", "Adam": "adam"}
@@ -53,7 +52,9 @@ class MemoryPanel(BackgroundRun):
         self.world = W.IntSlider(
             value=base.world_size, min=1, max=8, description="world size", style=style
         )
-        self.checkpoint = W.Checkbox(value=base.checkpoint, description="activation checkpointing")
+        self.checkpoint = W.Checkbox(
+            value=base.activation_checkpointing, description="activation checkpointing"
+        )
         self.accumulate = W.IntSlider(
             value=base.accumulate, min=1, max=8, description="accumulate", style=style
         )
@@ -103,7 +104,7 @@ class MemoryPanel(BackgroundRun):
             precision=self.precision.value,
             strategy=self.strategy.value,
             world_size=self.world.value,
-            checkpoint=self.checkpoint.value,
+            activation_checkpointing=self.checkpoint.value,
             accumulate=self.accumulate.value,
             dataset_size=max(self.base.dataset_size, self.batch.value),
         )
@@ -120,7 +121,7 @@ class MemoryPanel(BackgroundRun):
             cfg.precision,
             self.optimizer.value,
         ]
-        parts += ["checkpointed"] if cfg.checkpoint else []
+        parts += ["checkpointed"] if cfg.activation_checkpointing else []
         parts += [f"accumulate {cfg.accumulate}"] if cfg.accumulate > 1 else []
         return ", ".join(parts)
 

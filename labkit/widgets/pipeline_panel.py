@@ -7,8 +7,11 @@ import threading
 
 import ipywidgets as W
 
-from .. import experiment, timeline
-from ..config import PIPELINE_STRATEGIES, RunConfig
+from .. import experiment
+from ..config import RunConfig
+from ..plots import pipeline as pipeline_charts
+from ..records import step_bubbles
+from ..registry import PIPELINES
 from .base import BackgroundRun
 
 
@@ -34,7 +37,7 @@ class PipelinePanel(BackgroundRun):
         )
         self.steps = W.IntSlider(value=base.steps, min=2, max=100, description="steps", style=style)
         self.schedule = W.Dropdown(
-            options=list(PIPELINE_STRATEGIES),
+            options=list(PIPELINES),
             value=base.strategy,
             description="schedule",
             style=style,
@@ -89,7 +92,7 @@ class PipelinePanel(BackgroundRun):
 
     def render(self, result: experiment.RunResult) -> list:
         cfg = result.cfg
-        self.figure = timeline.gantt_vs_theory(
+        self.figure = pipeline_charts.gantt_vs_theory(
             last_step_events(result.records),
             result.records["schedule"].iloc[0],
             cfg.stages,
@@ -102,11 +105,11 @@ class PipelinePanel(BackgroundRun):
 
     def bubble(self) -> float:
         """Median over steps of the stages' mean idle share in the last run."""
-        return float(experiment.step_bubbles(self.result.records).median())
+        return float(step_bubbles(self.result.records).median())
 
     def done_message(self, result: experiment.RunResult) -> str:
         df = result.records
-        predicted = experiment.step_bubbles(df, column="bubble_predicted").median()
+        predicted = step_bubbles(df, column="bubble_predicted").median()
         return (
             f"done: {self.plan()}, median bubble measured {self.bubble():.2f}, predicted "
             f"{predicted:.2f}, closed form {df['bubble_theory'].iloc[0]:.2f}"

@@ -10,8 +10,10 @@ import ipywidgets as W
 import pandas as pd
 
 from .. import experiment, plots, report
-from ..config import STRATEGY_RANKS, RunConfig
+from ..config import RunConfig
 from ..env import oversubscription, probe
+from ..records import LiveLoss, config_label, summarize
+from ..registry import STRATEGIES
 from .base import BackgroundRun
 
 
@@ -79,7 +81,7 @@ class RunPanel(BackgroundRun):
         configs = self.configs()  # raises ValueError with the fix
         if not configs:
             raise ValueError("no strategy selected: pick at least one")
-        return ", ".join(experiment.config_label(c) for c in configs)
+        return ", ".join(config_label(c) for c in configs)
 
     def _check_controls(self) -> None:
         warn = oversubscription(self.world.value) if self.device == "cpu" else None
@@ -96,18 +98,18 @@ class RunPanel(BackgroundRun):
             on_result=lambda r: self.finished.append(r.records),
             **self.factories,
         )
-        self.records, self.table = records, experiment.summarize(records)
+        self.records, self.table = records, summarize(records)
         return records
 
     def partial(self) -> pd.DataFrame | None:
         if not self.finished:
             return None
         self.records = pd.concat(self.finished, ignore_index=True)
-        self.table = experiment.summarize(self.records)
+        self.table = summarize(self.records)
         return self.records
 
     def render(self, records: pd.DataFrame) -> list:
-        table = experiment.summarize(records)
+        table = summarize(records)
         note = report.busy_note(table)
         out = [report.people_table(table)]
         if note:
@@ -124,18 +126,16 @@ class RunPanel(BackgroundRun):
             self._live = {
                 "cfg": cfg,
                 "bars": self.progress_bars(labels, metrics["total"]),
-                "loss": experiment.LiveLoss(cfg.ranks),
+                "loss": LiveLoss(cfg.ranks),
             }
-            self.status.value = (
-                f"running <b>{experiment.config_label(cfg)}</b> on {cfg.ranks} process(es)"
-            )
+            self.status.value = f"running <b>{config_label(cfg)}</b> on {cfg.ranks} process(es)"
         bar, text = self._live["bars"][rank]
         bar.value = metrics["step"]
         text.value = f"step {metrics['step']}/{metrics['total']}"
         latest = self._live["loss"].update(rank, metrics)
         if latest is not None:
             self.status.value = (
-                f"running <b>{experiment.config_label(cfg)}</b>: step "
+                f"running <b>{config_label(cfg)}</b>: step "
                 f"{latest[0]}, loss {latest[1]:.4f} (global batch)"
             )
 
@@ -160,7 +160,7 @@ def run_panel(
     (``labkit.factories``)."""
     panel = RunPanel(
         base or RunConfig(),
-        strategies or list(STRATEGY_RANKS),
+        strategies or list(STRATEGIES),
         selected,
         max_world_size,
         charts,

@@ -10,8 +10,10 @@ import ipywidgets as W
 import pandas as pd
 
 from .. import experiment, sync_async
-from ..config import SYNC_ASYNC, RunConfig
+from ..config import RunConfig
 from ..plots import sync_async as charts
+from ..records import config_label
+from ..registry import SYNC_ASYNC
 from .base import BackgroundRun
 
 
@@ -57,11 +59,11 @@ class SyncPanel(BackgroundRun):
         return sync_async.sweep(base, self.modes.value, straggler=self.straggler.value)
 
     def plan(self) -> str:
-        return ", ".join(experiment.config_label(c) for c in self.configs())
+        return ", ".join(config_label(c) for c in self.configs())
 
     def execute(self, cancel: threading.Event) -> pd.DataFrame:
         configs = self.configs()
-        labels = self._labels = [experiment.config_label(c) for c in configs]
+        labels = self._labels = [config_label(c) for c in configs]
         self._bars = dict(zip(labels, self.progress_bars(labels, self.steps.value)))
         experiment.compare(
             configs,
@@ -119,7 +121,7 @@ class SyncPanel(BackgroundRun):
     def _progress(self, cfg: RunConfig, rank: int, metrics: dict) -> None:
         if rank != 0:  # rank 0: steps, or the parameter server's updates
             return
-        bar, text = self._bars[experiment.config_label(cfg)]
+        bar, text = self._bars[config_label(cfg)]
         # the server counts every update; a hogwild rank's cap is the whole run's updates, of
         # which it makes about its share
         total = metrics["total"] if cfg.strategy == "async_ps" else cfg.steps

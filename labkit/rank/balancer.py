@@ -1,4 +1,4 @@
-"""Load balancing in data parallelism: stragglers, data skew, dynamic shares and uneven inputs.
+"""Load balancing inside a rank: stragglers, data skew, dynamic shares and uneven inputs.
 
 Every data-parallel step ends at a synchronisation that the slowest rank gates: a rank that is
 twice as slow (an older GPU, a busy node) makes every other rank wait for it, every step. This
@@ -21,12 +21,13 @@ backward):
   update as single-device training, whatever the shares.
 * **join** (``rebalance="join"``): uneven inputs. Each rank runs through its own data at a fixed
   batch, so a rank with more data runs more steps; ``torch.distributed.algorithms.Join`` lets the
-  ranks that ran out shadow the all-reduces of those still training (``labkit.uneven``).
+  ranks that ran out shadow the all-reduces of those still training (``labkit.rank.join``).
+
+The shares themselves are ``labkit.shares``; what the records say, ``labkit.load_balance``.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,63 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, default_collate
 
-if TYPE_CHECKING:  # config.py imports this module to parse slowdowns
-    from .config import RunConfig
-    from .uneven import JoinableSync
+from ..shares import skew_weights, slowdown_at, split
 
-
-# ---- heterogeneity: who is slow, who holds more data --------------------------------------------
-
-
-def parse_slowdown(spec) -> tuple[tuple[int, float, int | None], ...]:
-    """``"1:2"``, ``"1:2@10,0:1.5"``, ``{1: 2.0}`` or ``((1, 2.0), (0, 1.5, 10))`` ->
-    ``((rank, factor, from_step), ...)``; ``from_step`` None: from the first step (warm-up too)."""
-    if spec is None or spec == "" or spec == ():
-        return ()
-    if isinstance(spec, str):
-        items = []
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            rank_factor, _, start = part.partition("@")
-            rank, sep, factor = rank_factor.partition(":")
-            try:
-                items.append((int(rank), float(factor), int(start) if start else None))
-            except ValueError:
-                raise ValueError(
-                    f"slowdown {part!r} is not RANK:FACTOR[@STEP], e.g. '1:2' (rank 1 "
-                    f"computes 2x slower) or '1:2@10' (from step 10)"
-                ) from None
-            if not sep:
-                raise ValueError(f"slowdown {part!r} is not RANK:FACTOR[@STEP], e.g. '1:2'")
-        spec = items
-    elif isinstance(spec, dict):
-        spec = list(spec.items())
-    out = []
-    for item in spec:
-        rank, factor, start = (tuple(item) + (None,))[:3]
-        if int(rank) != rank or rank < 0:
-            raise ValueError(f"slowdown rank must be a whole number >= 0, got {rank!r}")
-        if not float(factor) >= 1:
-            raise ValueError(
-                f"slowdown factor {factor} for rank {rank} is below 1: a rank cannot "
-                f"be made faster than its device; slow the other ranks down instead"
-            )
-        out.append((int(rank), float(factor), None if start is None else int(start)))
-    if len({r for r, _, _ in out}) != len(out):
-        raise ValueError(f"slowdown names a rank twice: {spec!r}")
-    return tuple(sorted(out))
-
-
-def format_slowdown(slowdown) -> str:
-    """The CLI spelling of a parsed slowdown: ``"1:2"``, ``"1:2@10"``."""
-    return ",".join(f"{r}:{f:g}" + ("" if s is None else f"@{s}") for r, f, s in slowdown)
-
-
-def slowdown_at(slowdown, rank: int, step: int) -> float:
-    """How many times slower ``rank`` computes at ``step`` (negative steps are warm-up)."""
-    for r, factor, start in slowdown:
-        if r == rank and (start is None or step >= start):
-            return factor
-    return 1.0
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from .join import JoinableSync
 
 
 def straggle(slowdown, rank: int, step: int, since: float, clock=time.perf_counter) -> float:
@@ -103,42 +52,12 @@ def straggle(slowdown, rank: int, step: int, since: float, clock=time.perf_count
     return factor
 
 
-def skew_weights(world_size: int, skew: float) -> list[float]:
-    """Data held per rank, relative: 1 for rank 0 up to 1 + skew for the last, linearly."""
-    if world_size == 1:
-        return [1.0]
-    return [1.0 + skew * r / (world_size - 1) for r in range(world_size)]
-
-
-def split(total: int, weights, minimum: int = 1) -> list[int]:
-    """``total`` samples in whole shares proportional to ``weights`` (largest remainder), each at
-    least ``minimum``."""
-    n = len(weights)
-    if total < minimum * n:
-        raise ValueError(f"{total} samples cannot give {n} ranks {minimum} each")
-    w = [max(0.0, float(x)) for x in weights]
-    if not sum(w) > 0 or not all(math.isfinite(x) for x in w):
-        w = [1.0] * n
-    exact = [total * x / sum(w) for x in w]
-    shares = [max(minimum, math.floor(e)) for e in exact]
-    while sum(shares) < total:  # the largest remainders get one more
-        r = max(range(n), key=lambda r: (exact[r] - shares[r], -r))
-        shares[r] += 1
-    while sum(shares) > total:  # minimums pushed it over: take from the most
-        r = max(
-            (r for r in range(n) if shares[r] > minimum),
-            key=lambda r: (shares[r] - exact[r], shares[r]),
-        )
-        shares[r] -= 1
-    return shares
-
-
 # ---- the rank side: what the shared training loop calls -----------------------------------------
 
 
 @dataclass
 class Balancer:
-    """One rank's load-balancing state inside ``strategies.common.train_loop``.
+    """One rank's load-balancing state inside ``labkit.rank.loop.train_loop``.
 
     static / dynamic: every step draws the same global batch single-device training draws and
     takes this rank's slice of it (``shares``); join: the rank's own shard at a fixed batch, for
@@ -251,80 +170,3 @@ def _global_batches(dataset, batch: int, seed: int):
         for i in range(0, len(order) - batch + 1, batch):
             yield order[i : i + batch]
         epoch += 1
-
-
-# ---- what the records say: throughput against the ideal ----------------------------------------
-
-
-def throughput(records) -> dict:
-    """One run's throughput against what its ranks could do alone, from its records.
-
-    Over the whole run (dynamic shares adapt during it, so a median step would hide that):
-    ``samples_per_s``: samples trained / the steps' gated time (each step ends when its slowest
-    rank does); a rank's solo throughput: its samples / its own compute time (its step minus
-    its wait and communication: what it does alone); ``ideal_samples_per_s``: the sum of the
-    ranks' solo throughputs; ``throughput_fraction``: the first over the second (communication,
-    waiting and a rank left idle all lower it); ``wait_share``: of all rank-seconds, the share
-    spent waiting at the arrival point."""
-    steps = records.groupby("step").agg(samples=("samples", "sum"), step_s=("step_s", "max"))
-    own = (
-        records["step_s"]
-        - records["wait_s"]
-        - records["comm_s"]
-        - records.get("sync_overhead_s", 0.0)
-    )
-    per_rank = (
-        records.assign(own=own).groupby("rank").agg(samples=("samples", "sum"), own=("own", "sum"))
-    )
-    measured = steps["samples"].sum() / steps["step_s"].sum()
-    ideal = float((per_rank["samples"] / per_rank["own"]).sum())
-    return {
-        "samples_per_s_run": measured,
-        "ideal_samples_per_s": ideal,
-        "throughput_fraction": measured / ideal,
-        "wait_share": float(records["wait_s"].sum() / records["step_s"].sum()),
-    }
-
-
-# ---- prediction beside measurement --------------------------------------------------------------
-
-
-def prediction_rows(table, configs, profile, network):
-    """Per load-balancing run: the median step measured beside ``labkit.predict.step``'s
-    ``predict_balance`` (steady state: each rank's final slowdown; dynamic shares at their
-    fixed point), and the throughput fraction measured (whole run) beside predicted."""
-    import pandas as pd
-
-    from .experiment import config_label
-    from .predict.step import predict_balance
-
-    rows = []
-    for cfg in configs:
-        if not cfg.balancing or cfg.rebalance == "join":
-            continue
-        got = table[table["run"] == config_label(cfg)]
-        if got.empty:
-            continue
-        factors = [slowdown_at(cfg.slowdown, r, 1 << 30) for r in range(cfg.world_size)]
-        pred = predict_balance(
-            profile,
-            network,
-            cfg.world_size,
-            cfg.global_batch,
-            factors,
-            policy=cfg.rebalance,
-            weights=skew_weights(cfg.world_size, cfg.skew),
-        )
-        measured = float(got["step_ms"].iloc[0])
-        rows.append(
-            {
-                "run": config_label(cfg),
-                "measured_ms": measured,
-                "predicted_ms": 1e3 * pred["step_s"],
-                "error": 1e3 * pred["step_s"] / measured - 1,
-                "shares_predicted": "/".join(str(s) for s in pred["shares"]),
-                "fraction_measured": float(got["throughput_fraction"].iloc[0]),
-                "fraction_predicted": pred["throughput_fraction"],
-            }
-        )
-    return pd.DataFrame(rows)

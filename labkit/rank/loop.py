@@ -15,16 +15,18 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from ..balance import Balancer, straggle
-from ..checkpoint import Resume
-from ..config import DATA_PARALLEL, RunConfig
+from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
-from ..memory import MemoryMeter, checkpoint_blocks
-from ..precision import Amp
-from ..probes import StepProbe, cpu_seconds, sync
-from ..uneven import join_context
+from ..models import checkpoint_blocks
+from ..registry import DATA_PARALLEL
+from .balancer import Balancer, straggle
+from .join import join_context
+from .memory_meter import MemoryMeter
+from .precision import Amp
+from .probes import StepProbe, cpu_seconds, sync
+from .resume import Resume
 
 
 def set_check_mode(cfg: RunConfig) -> None:
@@ -43,10 +45,10 @@ def build_model(cfg: RunConfig, ctx: RankContext, fns: Factories) -> nn.Module:
     set_check_mode(cfg)
     model = fns.model(cfg)
     if cfg.sync_batchnorm and cfg.strategy in DATA_PARALLEL and ctx.world_size > 1:
-        from ..syncbn import convert_sync_batchnorm
+        from .syncbn import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model, ctx.device.type)
-    if cfg.checkpoint:  # activation checkpointing, per block
+    if cfg.activation_checkpointing:  # activation checkpointing, per block
         model = checkpoint_blocks(model)
     return model.to(ctx.device)
 
@@ -108,8 +110,8 @@ def train_loop(
     ``comm_total()``: seconds any all-reduce was in flight during the step (DDP's timed hook);
     without it, communication is synchronous and all of it is the exposed ``comm`` phase.
     ``unwrapped``: the plain model inside a wrapper (its state names are the ones ``single`` has).
-    ``balancer`` (``labkit.balance``, ddp_naive): this rank's slice of each global batch and its
-    loss weight, the injected slowdown, the timed arrival before the all-reduce (``wait``
+    ``balancer`` (``labkit.rank.balancer``, ddp_naive): this rank's slice of each global batch and
+    its loss weight, the injected slowdown, the timed arrival before the all-reduce (``wait``
     phase), share updates, and under join the steps this rank's data lasts.
     Without a balancer, ``cfg.slowdown`` still makes a rank a straggler (the sync/async lab's
     modes). ``make_optimizer(params)``: the optimizer instead of the user's (ZeRO-1 wraps it;
@@ -118,10 +120,10 @@ def train_loop(
     extra record columns. ``until()``: checked before each measured step, True ends the run
     early (the async modes stop when the shared model has had its updates); ``steps``: this
     rank's most measured steps, if not ``cfg.steps`` (an async rank may make them all).
-    ``cfg.checkpoint_dir`` (``labkit.checkpoint.Resume``): continue from its checkpoint, write
+    ``cfg.checkpoint_dir`` (``labkit.rank.resume.Resume``): continue from its checkpoint, write
     one every ``cfg.checkpoint_every`` steps, and a timeline row per step.
-    Memory and precision (``labkit.memory``, ``labkit.precision``): forward runs under
-    ``cfg.precision``'s autocast, and every record carries the bytes of each memory category.
+    Memory and precision (``labkit.rank.memory_meter``, ``labkit.rank.precision``): forward runs
+    under ``cfg.precision``'s autocast, and every record carries the bytes of each memory category.
     """
     loss_fn = fns.loss(cfg)  # a mean over the local batch; ranks then average grads
     optimizer = (make_optimizer or (lambda ps: fns.optimizer(cfg, ps)))(model.parameters())
@@ -137,7 +139,7 @@ def train_loop(
         global_batch=cfg.global_batch,
         accumulate=cfg.accumulate,
         precision=cfg.precision,
-        checkpoint=cfg.checkpoint,
+        activation_checkpointing=cfg.activation_checkpointing,
     )
     k = cfg.accumulate
     syncs = k if cfg.sync_every_microstep else 1  # synchronisations per optimizer step
@@ -155,7 +157,7 @@ def train_loop(
     start = resume.start() if resume is not None else 0
     # a straggler without a balancer (the sync/async modes) is timed on CPU seconds
     cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
-    with join_context(bal):
+    with join_context(None if bal is None else bal.joinable):
         for i in range(start, total):
             if until is not None and i >= cfg.warmup and until():
                 break
@@ -247,7 +249,7 @@ class Progress:
     rank (measured: up to 1.5 ms a message), so a training loop must not report every step.
     A message carries this rank's (step, shard loss, samples) for every step since the last
     one, so the caller can combine ranks into the global-batch loss of any step
-    (``experiment.LiveLoss``) without a collective in the training loop.
+    (``labkit.records.LiveLoss``) without a collective in the training loop.
     """
 
     def __init__(self, ctx: RankContext, total: int, every_s: float = 0.1):

@@ -7,7 +7,7 @@ long tail and the others padding to wait with. Cost-aware sharding sorts the glo
 length and cuts it into contiguous pieces of equal padded cost (a greedy fill under a bound
 found by bisection): ranks with long sequences get fewer of them. The update is unchanged:
 the same samples are trained, only which rank trains which differs (weight each rank's loss by
-its sample count, as ``labkit.balance`` does, and the gradient is the global batch's).
+its sample count, as ``labkit.rank.balancer`` does, and the gradient is the global batch's).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Phases: data (wait for the batch and move it), forward, backward, wait (load balancing: time
 blocked at the arrival point before the gradient all-reduce until the slowest rank got there;
-``labkit.balance``), comm (communication that
+``labkit.rank.balancer``), comm (communication that
 is *exposed*, i.e. not hidden behind backward compute), sync_overhead (gradient-sync machinery
 that ran with no peer to talk to: DDP's reducer or a one-rank all-reduce at world size 1; filled
-in by ``experiment.finalize``), optimizer (step + zero_grad). They add up to ``step_s``.
+in by ``labkit.records.finalize``), optimizer (step + zero_grad). They add up to ``step_s``.
 
 Each record also says how much CPU the rank got when it wanted one (``compute_cpu_share``): of
 the time its threads were ready to run while computing (forward and backward, every micro-batch;
@@ -85,7 +85,7 @@ class StepProbe:
         **extra,
     ) -> dict:
         """Close the step and return its record. ``loss`` is this rank's loss on its own samples
-        (``shard_loss``); ``experiment.finalize`` combines ranks into the global-batch ``loss``.
+        (``shard_loss``); ``labkit.records.finalize`` combines ranks into the global-batch ``loss``.
 
         ``comm_baseline_s``: the backward time measured with communication off (DDP under
         ``no_sync()``); whatever backward takes beyond it is exposed communication.
@@ -117,18 +117,51 @@ class StepProbe:
         ):
             share = (self._cpu["backward"] - self._cpu["data"]) / compute
         share = float("nan") if share is None else share
-        return {
-            **self.base,
-            "step": step,
-            "shard_loss": float(loss),
-            "samples": samples,
-            **times,
-            "start_s": self._t0,
-            "compute_cpu_share": share,
-            "peak_mem_bytes": peak_memory(self.device),
-            "comm_bytes": int(comm_bytes),
+        return record(
+            self.base,
+            step,
+            loss,
+            samples,
+            times,
+            start_s=self._t0,
+            cpu_share=share,
+            device=self.device,
+            comm_bytes=comm_bytes,
             **extra,
-        }
+        )
+
+
+def record(
+    base: dict,
+    step: int,
+    shard_loss: float | None,
+    samples: int,
+    times: dict,
+    *,
+    start_s: float,
+    cpu_share: float,
+    device: torch.device,
+    comm_bytes: int,
+    **extra,
+) -> dict:
+    """The one place a record is made (``StepProbe.finish``, the pipeline loop, the parameter
+    server): the run's identity (``base``: strategy, world_size, rank, ...), the step, this rank's
+    loss on its own samples (None: it has none, e.g. a pipeline stage before the last), every
+    phase of ``TIME_COLUMNS`` (0 for a phase this step did not have), the clock reading the
+    step started at, the CPU share, the memory high-water mark and the bytes communicated; a
+    strategy's own columns last."""
+    return {
+        **base,
+        "step": step,
+        "shard_loss": float("nan") if shard_loss is None else float(shard_loss),
+        "samples": int(samples),
+        **{c: float(times.get(c, 0.0)) for c in TIME_COLUMNS},
+        "start_s": start_s,
+        "compute_cpu_share": cpu_share,
+        "peak_mem_bytes": peak_memory(device),
+        "comm_bytes": int(comm_bytes),
+        **extra,
+    }
 
 
 class RunQueueClock:

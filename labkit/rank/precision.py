@@ -11,31 +11,10 @@ before the step; a step whose gradients overflowed (inf/nan) is skipped and the 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from functools import cache
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@cache
-def fp16_supported(device_type: str) -> bool:
-    """Does this torch run fp16 autocast and a GradScaler on ``device_type``? (Tried, not
-    assumed: torch 2.14.1 does on CPU; older releases raised.)"""
-    if device_type == "cuda":
-        return torch.cuda.is_available()
-    try:
-        x = torch.ones(2, 2, requires_grad=True)
-        with torch.autocast(device_type, dtype=torch.float16):
-            y = x @ x
-        if y.dtype != torch.float16:
-            return False
-        scaler = torch.amp.GradScaler(device_type)
-        scaler.scale(y.float().sum()).backward()
-        return scaler.is_enabled()
-    except (RuntimeError, ValueError, AssertionError, TypeError):
-        return False
 
 
 class Amp:

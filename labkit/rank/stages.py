@@ -5,8 +5,9 @@ Every rank builds the *whole* model from the seed (so its stage starts from exac
 batches as ``single``. ``train_stages`` runs warm-up and measured steps around a schedule
 function and turns what it returns into records; the schedules themselves live in pipeline.py.
 Event times are read from ``perf_counter``, one monotonic clock for every process on a machine
-(plus the offset to rank 0's clock across machines, ``dist.clock_offset``); ``experiment.finalize``
-puts every rank's events of a step on one origin and computes the bubble, measured and predicted.
+(plus the offset to rank 0's clock across machines, ``dist.clock_offset``);
+``labkit.records.finalize`` puts every rank's events of a step on one origin and computes the
+bubble, measured and predicted.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
-from .. import timeline
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from ..models import even_bounds, split, stage_state_names
-from ..probes import RunQueueClock, cpu_seconds, peak_memory, sync
-from .common import Progress, buffers_kept, build_model, data_iter, final_state, seed_rank_streams
+from ..models import even_bounds, partition, split, stage_state_names
+from .loop import Progress, buffers_kept, build_model, data_iter, final_state, seed_rank_streams
+from .probes import RunQueueClock, cpu_seconds, record, sync
+from .profiling import layer_costs
 
 
 @dataclass
@@ -79,13 +80,11 @@ def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories) -> Stage:
 def stage_bounds(
     cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor
 ) -> list[int]:
-    """Equal layer counts, or (``cfg.balance``) a cut by per-block cost timed on rank 0 and
+    """Equal layer counts, or (``cfg.balance_stages``) a cut by per-block cost timed on rank 0 and
     broadcast, because timings differ between ranks and every rank must cut at the same place."""
-    if not cfg.balance:
+    if not cfg.balance_stages:
         return even_bounds(len(model), cfg.stages)
-    box = [
-        timeline.partition(timeline.layer_costs(model, x), cfg.stages) if ctx.rank == 0 else None
-    ]
+    box = [partition(layer_costs(model, x), cfg.stages) if ctx.rank == 0 else None]
     if ctx.distributed:
         dist.broadcast_object_list(box, src=0)
     model.zero_grad(set_to_none=True)
@@ -234,39 +233,42 @@ def train_stages(
         if cpu_share is None:  # no schedstat: the thread's CPU time while computing
             cpu_share = out.log.cpu_s / (fwd + bwd) if ctx.device.type == "cpu" else float("nan")
         step_s, data_s, opt_s = t_end - t_start, t_data - t_start, t_end - t_sched
+        base = {
+            "strategy": cfg.strategy,
+            "world_size": cfg.world_size,
+            "rank": ctx.rank,
+            "device": str(ctx.device),
+            "global_batch": cfg.global_batch,
+            "threads": log.threads,
+        }
+        times = {
+            "data_s": data_s,
+            "forward_s": fwd,
+            "backward_s": bwd,
+            # barrier, recv waits, send completion and schedule bookkeeping: the rest of the step
+            "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s),
+            "optimizer_s": opt_s,
+            "step_s": step_s,
+        }
         records.append(
-            {
-                "strategy": cfg.strategy,
-                "world_size": cfg.world_size,
-                "rank": ctx.rank,
-                "device": str(ctx.device),
-                "global_batch": cfg.global_batch,
-                "step": i - cfg.warmup,
-                "threads": log.threads,
-                # the global batch's loss lives on the last stage; the others have none
-                "shard_loss": out.loss if out.loss is not None else float("nan"),
-                "samples": cfg.global_batch,
-                "data_s": data_s,
-                "forward_s": fwd,
-                "backward_s": bwd,
-                # barrier, recv waits, send completion and schedule bookkeeping: the rest of the
-                # step
-                "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s),
-                "sync_overhead_s": 0.0,
-                "optimizer_s": opt_s,
-                "step_s": step_s,
-                "start_s": t0 + log.offset_s,
-                "peak_mem_bytes": peak_memory(ctx.device),
-                "comm_bytes": _comm_bytes(stage, cfg.microbatches),
-                "stage": stage.index,
-                "microbatches": cfg.microbatches,
-                "schedule": schedule,
-                "impl": impl,
-                "activations_peak": meter.peak_count,
-                "activation_bytes_peak": meter.peak_bytes,
-                "compute_cpu_share": cpu_share,
-                "events": events,
-            }
+            record(
+                base,
+                i - cfg.warmup,
+                out.loss,  # the global batch's loss lives on the last stage; the others have none
+                cfg.global_batch,
+                times,
+                start_s=t0 + log.offset_s,
+                cpu_share=cpu_share,
+                device=ctx.device,
+                comm_bytes=_comm_bytes(stage, cfg.microbatches),
+                stage=stage.index,
+                microbatches=cfg.microbatches,
+                schedule=schedule,
+                impl=impl,
+                activations_peak=meter.peak_count,
+                activation_bytes_peak=meter.peak_bytes,
+                events=events,
+            )
         )
         notes.extend(n for n in out.notes if n not in notes)
         progress(i + 1 - cfg.warmup, out.loss, cfg.global_batch if stage.last else 0)

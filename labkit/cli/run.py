@@ -1,0 +1,267 @@
+"""The commands that run strategies: ``env``, ``compare``, ``check``, ``memory`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..config import RunConfig
+from ..flags import add_config_arguments, config_from_args
+from ..registry import SYNC_ASYNC
+from .common import csv, one_run_only, pd_options, writable, write_html
+
+DP_STRATEGIES = "single,dp,ddp,ddp_naive"
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("env", help="what this machine has and what labkit will use")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_env)
+
+    p = sub.add_parser("compare", help="run strategies over world sizes and compare them")
+    p.add_argument("--json", help="write per-rank records here")
+    p.add_argument("--html", help="write a plotly report here")
+    add_config_arguments(p, sweep=("strategy", "world_size"))
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("check", help="do strategies reach the same parameters as single?")
+    p.add_argument("--tol", type=float, default=1e-5, help="largest difference allowed")
+    add_config_arguments(p, sweep=("strategy",))
+    p.set_defaults(func=cmd_check, steps=5, strategies=DP_STRATEGIES)
+
+    p = sub.add_parser("memory", help="memory per rank by category, counted and calculated")
+    p.add_argument("--optimizer", default="sgd_momentum", choices=("sgd_momentum", "adam"))
+    add_config_arguments(p, sweep=("strategy", "world_size"))
+    p.set_defaults(func=cmd_memory, steps=3, warmup=1, strategies="ddp,zero1,fsdp", world_sizes="2")
+
+    p = sub.add_parser("demo", help="environment report, strategy comparison and check")
+    p.add_argument("--out", default="out", help="folder for demo.json and demo.html")
+    add_config_arguments(p, sweep=("strategy",), skip=("world_size",))
+    # big enough that compute, not gloo latency, dominates a step on CPU
+    p.set_defaults(
+        func=cmd_demo, steps=30, width=1024, depth=3, global_batch=128, strategies=DP_STRATEGIES
+    )
+
+
+def cmd_env(args) -> int:
+    from ..env import probe
+
+    report = probe()
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    one_run_only(args)
+    from .. import experiment
+    from ..records import config_label
+
+    writable("--json", args.json)
+    writable("--html", args.html)
+    sizes = csv(args.world_sizes, int, flag="--world-sizes")
+    balancing = bool(args.slowdown) or args.skew > 0 or args.rebalance != "static"
+    # load-balancing knobs belong to ddp_naive; the base must be a config they are valid on
+    base = config_from_args(
+        args,
+        **(
+            dict(strategy="ddp_naive", world_size=max(sizes))
+            if balancing
+            else dict(strategy="single", world_size=1)
+        ),
+    )
+    configs = experiment.grid(base, csv(args.strategies, flag="--strategies"), sizes)
+    print(
+        f"running {len(configs)} configurations: " + ", ".join(config_label(c) for c in configs),
+        flush=True,
+    )
+    finished = []
+    try:
+        with _Progress() as progress:
+            experiment.compare(
+                configs, on_progress=progress.update, on_result=lambda res: _finished(res, finished)
+            )
+    except KeyboardInterrupt:  # the launcher has stopped every rank; keep what finished
+        print(
+            f"labkit: interrupted: every rank stopped; {len(finished)} of {len(configs)} "
+            f"configurations had finished" + (", written below" if finished else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        if finished:
+            _report(args, base, experiment.combine(finished))
+        return 130
+    return _report(args, base, experiment.combine(finished))
+
+
+def _finished(res, finished: list) -> None:
+    from ..records import config_label
+
+    finished.append(res)
+    print(f"finished {config_label(res.cfg)} ({len(res.records)} records)", flush=True)
+
+
+def _report(args, base: RunConfig, records) -> int:
+    """Print the table and its reading; write the records and the HTML report if asked."""
+    from .. import plots
+    from ..records import save_records, summarize
+    from ..report import explain
+
+    table = summarize(records)
+    _print_table(table)
+    for key, notes in records.attrs.get("notes", {}).items():
+        for note in notes:
+            print(f"note ({key}): {note}")
+    print("\n== what the table says\n" + explain(table))
+    if records["strategy"].isin(SYNC_ASYNC[1:]).any():  # the periodic and asynchronous modes
+        from ..sync_async import default_target, people_table, to_target
+
+        target = default_target(records)
+        print(
+            f"\n== to a loss of {target:.3f} (smoothed over 4 global batches; labkit.sync_async)"
+            f"\nasync_ps and hogwild: read this table, not the one above, which pairs ranks "
+            f"by step number (asynchronous ranks share none)"
+        )
+        print(people_table(to_target(records, target)).to_string(index=False))
+    if args.json:
+        save_records(
+            records,
+            args.json,
+            config=base.to_dict(),
+            summary=json.loads(table.to_json(orient="records")),
+        )
+        print(f"records: {args.json} ({len(records)} rows)")
+    if args.html:
+        figs = [
+            plots.throughput(table),
+            plots.breakdown(records),
+            plots.efficiency(table),
+            plots.loss_curves(records),
+        ]
+        write_html(args.html, "labkit compare", table, figs)
+        print(f"report: {args.html}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    one_run_only(args)
+    from ..equivalence import check
+
+    base = config_from_args(args, strategy="single", world_size=1)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    if not args.tol > 0:
+        raise ValueError(f"--tol must be positive, got {args.tol}")
+    result = check(
+        base,
+        csv(args.strategies, flag="--strategies"),
+        args.world_size,
+        steps=args.steps,
+        tol=args.tol,
+    )
+    print(result.drop(columns=["why"]).to_string(index=False))
+    for _, row in result[result["why"] != ""].iterrows():
+        print(f"note ({row['strategy']}): {row['why']}")
+    bad = result[~result["ok"]]
+    if len(bad):
+        print(f"FAILED: {', '.join(bad['strategy'])} differ from single by more than {args.tol:g}")
+        return 1
+    print(f"all strategies match single within {args.tol:g} after {args.steps} steps")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job: what this machine has, then the data-parallel comparison and the check."""
+    from ..env import probe
+
+    report = probe()
+    print("== environment\n" + str(report) + "\n", flush=True)
+    sizes = sorted({1, *[w for w in (2, 4, 8) if w <= max(2, report.max_world_size)]})
+    os.makedirs(args.out, exist_ok=True)  # (--out is a folder labkit creates)
+    compare_args = argparse.Namespace(
+        **{
+            **vars(args),
+            "strategies": args.strategies,
+            "world_sizes": ",".join(map(str, sizes)),
+            "json": os.path.join(args.out, "demo.json"),
+            "html": os.path.join(args.out, "demo.html"),
+        }
+    )
+    print("== compare", flush=True)
+    cmd_compare(compare_args)
+    print("\n== equivalence check (5 steps, deterministic)", flush=True)
+    check_args = argparse.Namespace(**{**vars(args), "steps": 5, "world_size": 2, "tol": 1e-5})
+    return cmd_check(check_args)
+
+
+class _Progress:
+    """One tqdm bar per run (rank 0's steps); silent when stderr is not a terminal."""
+
+    def __enter__(self):
+        self.bar, self.key = None, None
+        return self
+
+    def update(self, cfg, rank, metrics) -> None:
+        from tqdm.auto import tqdm
+
+        from ..records import LiveLoss
+
+        key = cfg
+        if key != self.key:
+            self._close()
+            self.key, self.loss = key, LiveLoss(cfg.ranks)
+            self.bar = tqdm(
+                total=metrics["total"],
+                desc=f"{cfg.strategy}@{cfg.world_size}",
+                leave=False,
+                disable=None,
+            )
+        latest = self.loss.update(rank, metrics)  # the global batch's loss, once all ranks
+        if rank == cfg.ranks - 1:  # reported a step (pipelines: last stage)
+            self.bar.update(metrics["step"] - self.bar.n)
+        if latest is not None:
+            self.bar.set_postfix(loss=f"{latest[1]:.3f}", refresh=False)
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+    def __exit__(self, *exc):
+        self._close()
+
+
+def _print_table(table) -> None:
+    from ..report import format_table
+
+    print(format_table(table))
+    if "oversubscribed" in table and table["oversubscribed"].any():
+        print(
+            "! rows with more CPU ranks than cores are time-shared: their speed-up is not "
+            "parallelism"
+        )
+
+
+def cmd_memory(args) -> int:
+    """Bytes per rank by category for each strategy, counted, and the calculator's error."""
+    from ..memory import measure, memory_table
+
+    base = config_from_args(args, strategy="ddp", world_size=2)
+    sizes = csv(args.world_sizes, int, "--world-sizes")
+    records, errors = measure(
+        base, csv(args.strategies, flag="--strategies"), sizes, args.optimizer
+    )
+    with pd_options():
+        print(memory_table(records).round(4).to_string(index=False))
+        print(
+            "MiB per rank: counted from live tensor storage; high_water: the process's peak "
+            "(RSS on CPU: interpreter, libraries and caches too)\n"
+        )
+        worst = errors.assign(abs_error=errors["error"].abs()).groupby(
+            ["run", "category"], sort=False
+        )
+        print(worst["abs_error"].max().unstack().round(4).to_string())
+        print(
+            "calculator error per category (largest over ranks, |calculated - counted| / counted)"
+        )
+    return 0

@@ -1,0 +1,172 @@
+"""Pipeline figures: one step's Gantt chart (measured, predicted, closed form), the bubble
+against the number of micro-batches, activations held and stage times."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..predict.schedule import (
+    ScheduleCosts,
+    bubble_per_stage,
+    costs_from_steps,
+    predict_step,
+    simulate,
+    theory_bubble,
+)
+
+_COLORS = {"F": "#4C78A8", "B": "#F58518"}
+
+
+def _gantt_traces(events: Sequence[dict], show_legend: bool = True) -> list[go.Bar]:
+    traces = []
+    for kind, name in (("F", "forward"), ("B", "backward")):
+        evs = [e for e in events if e["kind"] == kind]
+        traces.append(
+            go.Bar(
+                orientation="h",
+                name=name,
+                legendgroup=kind,
+                showlegend=show_legend,
+                y=[f"stage {e['stage']}" for e in evs],
+                base=[e["start"] for e in evs],
+                x=[e["end"] - e["start"] for e in evs],
+                text=[str(e["microbatch"]) for e in evs],
+                textposition="inside",
+                insidetextanchor="middle",
+                marker_color=_COLORS[kind],
+                hovertemplate=(
+                    "%{y} micro-batch %{text}<br>start %{base:.4f}<br>%{x:.4f}<extra></extra>"
+                ),
+            )
+        )
+    return traces
+
+
+def gantt(events: Sequence[dict], title: str = "pipeline timeline", unit: str = "s") -> go.Figure:
+    """A Gantt chart of one step's events: one row per stage, micro-batch numbers on the bars."""
+    fig = go.Figure(_gantt_traces(events))
+    fig.update_layout(
+        title=title,
+        barmode="overlay",
+        xaxis_title=f"time ({unit})",
+        yaxis=dict(autorange="reversed"),
+        height=120 + 50 * _n_stages(events),
+    )
+    return fig
+
+
+def gantt_vs_theory(
+    events: Sequence[dict], schedule: str, stages: int, microbatches: int
+) -> go.Figure:
+    """One step three ways: measured (top); predicted, i.e. the schedule simulated on this
+    step's measured stage times, hand-offs and dispatch; and the closed form's ideal, equal
+    stages with the same mean F/B times and free hand-offs."""
+    f = [e["end"] - e["start"] for e in events if e["kind"] == "F"] or [1.0]
+    b = [e["end"] - e["start"] for e in events if e["kind"] == "B"] or [2.0]
+    ideal = simulate(
+        schedule,
+        microbatches,
+        ScheduleCosts.uniform(stages, statistics.mean(f), statistics.mean(b)),
+    )
+    costs = costs_from_steps([events], stages)
+    predicted = predict_step(schedule, microbatches, costs)
+    measured = statistics.mean(bubble_per_stage(events).values())
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.09,
+        subplot_titles=(
+            f"measured ({schedule}, P={stages}, M={microbatches}): bubble {measured:.2f}",
+            f"predicted from this step's measured costs (hand-off "
+            f"{1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
+            f"{1e3 * max(costs.gap_s, default=0):.2f} ms; mean costs drawn): expected bubble "
+            f"{predicted['bubble']:.2f}",
+            f"closed form, equal stages and free hand-offs: (P-1)/(M+P-1) = "
+            f"{theory_bubble(stages, microbatches):.2f}",
+        ),
+    )
+    for row, evs in enumerate((events, predicted["events"], ideal), start=1):
+        for trace in _gantt_traces(evs, show_legend=row == 1):
+            fig.add_trace(trace, row=row, col=1)
+    fig.update_yaxes(autorange="reversed")
+    fig.update_xaxes(title_text="seconds from step start", row=3, col=1)
+    fig.update_layout(
+        barmode="overlay", height=260 + 120 * stages, margin=dict(t=60, b=40, l=70, r=20)
+    )
+    return fig
+
+
+def bubble_vs_microbatches(table, stages: int) -> go.Figure:
+    """Measured bubble fraction against M (points per schedule) with the theory curve."""
+    fig = go.Figure()
+    for schedule, g in table.groupby("schedule"):
+        fig.add_trace(
+            go.Scatter(
+                x=g["microbatches"],
+                y=g["bubble_fraction"],
+                name=f"{schedule} measured",
+                mode="markers+lines",
+            )
+        )
+        if "bubble_predicted" in g:
+            fig.add_trace(
+                go.Scatter(
+                    x=g["microbatches"],
+                    y=g["bubble_predicted"],
+                    name=f"{schedule} predicted",
+                    mode="markers",
+                    marker=dict(symbol="x", size=10),
+                )
+            )
+    ms = list(range(1, int(table["microbatches"].max()) + 1))
+    fig.add_trace(
+        go.Scatter(
+            x=ms,
+            y=[theory_bubble(stages, m) for m in ms],
+            mode="lines",
+            name="(P-1)/(M+P-1)",
+            line=dict(dash="dash", color="black"),
+        )
+    )
+    fig.update_layout(
+        title=f"pipeline bubble at P={stages}",
+        xaxis_title="micro-batches M",
+        yaxis_title="idle share of the step",
+        yaxis_range=[0, 1],
+    )
+    return fig
+
+
+def activation_memory(table, column: str = "activations_peak") -> go.Figure:
+    """Activations held per stage (micro-batches or bytes), one bar group per schedule."""
+    fig = go.Figure()
+    for schedule, g in table.groupby("schedule"):
+        fig.add_trace(go.Bar(x=[f"stage {s}" for s in g["stage"]], y=g[column], name=str(schedule)))
+    label = "micro-batches held" if column == "activations_peak" else "bytes held"
+    fig.update_layout(
+        title=f"activation memory per stage ({column})", barmode="group", yaxis_title=label
+    )
+    return fig
+
+
+def stage_times(before: Sequence[float], after: Sequence[float]) -> go.Figure:
+    """Per-stage cost before and after balancing: the slowest stage sets the pipeline's pace."""
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=[f"stage {i}" for i in range(len(before))], y=before, name="equal layer counts"
+            ),
+            go.Bar(x=[f"stage {i}" for i in range(len(after))], y=after, name="balanced by cost"),
+        ]
+    )
+    fig.update_layout(title="per-stage compute per step", barmode="group", yaxis_title="seconds")
+    return fig
+
+
+def _n_stages(events: Iterable[dict]) -> int:
+    return len({e["stage"] for e in events}) or 1

@@ -1,0 +1,130 @@
+"""Every strategy labkit runs, in one table: what it is, how many processes, which knobs it takes.
+
+Validation (``RunConfig``), the launcher's process count, the experiment grid, the step-time
+predictor, the command line's choices and the charts' colours all read this table; adding a
+strategy is one ``Strategy(...)`` row here and one module in ``labkit/strategies/``.
+
+Kinds:
+
+* ``reference``: single-device training, the run every other one is checked against;
+* ``data_parallel``: the model replicated (or sharded, ZeRO/FSDP), each rank on its slice of
+  the global batch, gradients synchronised every step;
+* ``pipeline``: the model cut into stages, one per rank, micro-batches flowing through them;
+* ``tensor_parallel``: every layer split across ranks, which all see the same batch;
+* ``periodic``: ranks train alone for H steps, then average (local SGD, DiLoCo);
+* ``asynchronous``: no step-wide synchronisation at all (a parameter server, Hogwild).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = (
+    "reference",
+    "data_parallel",
+    "pipeline",
+    "tensor_parallel",
+    "composed",
+    "periodic",
+    "asynchronous",
+)
+
+# knobs of the shared training loop (labkit.rank.loop): every strategy that runs it takes them
+LOOP = frozenset({"precision", "activation_checkpointing", "checkpoint_dir", "checkpoint_every"})
+# several micro-batches per optimizer step: the loops whose step is one global batch
+ACCUMULATE = frozenset({"accumulate", "sync_every_microstep"})
+# a straggler alone (slowdown): the sync vs async lab's modes, timed against each other
+STRAGGLER = frozenset({"slowdown"})
+# stragglers, data skew and shares that follow them: at ddp_naive's explicit sync point
+BALANCING = frozenset({"slowdown", "skew", "rebalance", "rebalance_every"})
+PIPELINE = frozenset({"stages", "microbatches", "pipeline_impl", "balance_stages"})
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    module: str  # labkit.strategies.<module> holds its run(cfg, ctx, fns)
+    kind: str
+    one_process: bool = False  # True: one process drives every device (DataParallel)
+    knobs: frozenset = frozenset()  # RunConfig fields beyond the common ones that it reads
+    schedule: str | None = None  # pipelines: the schedule labkit.predict.schedule simulates
+    colour: str = "#9e9e9e"  # in every chart that compares strategies
+    summary: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def data_parallel(self) -> bool:
+        """Ranks on slices of one global batch, synchronising gradients every step (the
+        strategies that may synchronise batch statistics too)."""
+        return self.kind == "data_parallel" and not self.one_process
+
+
+# fmt: off
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("single", "single", "reference", one_process=True, knobs=LOOP | ACCUMULATE,
+                 colour="#9e9e9e", summary="one device, the reference"),
+        Strategy("dp", "dp", "data_parallel", one_process=True, knobs=LOOP | ACCUMULATE,
+                 colour="#72b7b2",
+                 summary="nn.DataParallel: one process, the batch split over its devices"),
+        Strategy("ddp", "ddp", "data_parallel",
+                 knobs=LOOP | ACCUMULATE | STRAGGLER
+                 | {"bucket_cap_mb", "comm_hook", "powersgd_rank", "sync_batchnorm"},
+                 colour="#4c78a8", summary="DistributedDataParallel: overlapped bucket all-reduce"),
+        Strategy("ddp_naive", "ddp_naive", "data_parallel",
+                 knobs=LOOP | ACCUMULATE | BALANCING | {"sync_batchnorm"}, colour="#f58518",
+                 summary="data parallelism by hand: all-reduce every gradient after backward"),
+        Strategy("zero1", "zero1", "data_parallel",
+                 knobs=LOOP | ACCUMULATE | {"bucket_cap_mb", "sync_batchnorm"},
+                 colour="#54a24b",
+                 summary="ZeRO stage 1: DDP with the optimizer state partitioned"),
+        Strategy("fsdp", "fsdp", "data_parallel", knobs=LOOP | ACCUMULATE | {"sync_batchnorm"},
+                 colour="#e45756", summary="FSDP2: parameters, gradients and state sharded"),
+        Strategy("model_parallel", "model_parallel", "pipeline", knobs=PIPELINE,
+                 schedule="model_parallel", colour="#b279a2",
+                 summary="layers across ranks, one micro-batch: one stage busy at a time"),
+        Strategy("pipeline_gpipe", "pipeline", "pipeline", knobs=PIPELINE, schedule="gpipe",
+                 colour="#ff9da6", summary="GPipe: all forwards, then all backwards"),
+        Strategy("pipeline_1f1b", "pipeline", "pipeline", knobs=PIPELINE, schedule="1f1b",
+                 colour="#9d755d", summary="1F1B: one forward, one backward, at most P in flight"),
+        Strategy("local_sgd", "local_sgd", "periodic", knobs=LOOP | STRAGGLER | {"period"},
+                 colour="#eeca3b", summary="local SGD: H steps alone, then average parameters"),
+        Strategy("diloco", "diloco", "periodic",
+                 knobs=LOOP | STRAGGLER | {"period", "inner_lr", "outer_lr", "outer_momentum"},
+                 colour="#bab0ac", summary="DiLoCo: inner AdamW, outer Nesterov on the average"),
+        Strategy("async_ps", "async_ps", "asynchronous", knobs=LOOP | STRAGGLER | {"staleness_lr"},
+                 colour="#d62728", summary="a parameter server: workers push, never wait"),
+        Strategy("hogwild", "hogwild", "asynchronous", knobs=LOOP | STRAGGLER, colour="#8c564b",
+                 summary="Hogwild: one shared-memory model, updated without locks"),
+    )
+}
+# fmt: on
+
+# the sync vs async lab's modes: DDP, its synchronous reference, then the rest
+SYNC_ASYNC = ("ddp",) + tuple(
+    n for n, s in STRATEGIES.items() if s.kind in ("periodic", "asynchronous")
+)
+
+
+def get(name: str) -> Strategy:
+    """The registry row of ``name``, or a ValueError listing every strategy."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def names(kind: str | None = None, *, knob: str | None = None) -> tuple[str, ...]:
+    """Strategy names, optionally only one kind or only those that take ``knob``."""
+    return tuple(
+        n
+        for n, s in STRATEGIES.items()
+        if (kind is None or s.kind == kind) and (knob is None or knob in s.knobs)
+    )
+
+
+PIPELINES = names("pipeline")
+DATA_PARALLEL = tuple(n for n, s in STRATEGIES.items() if s.data_parallel)
