@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .env import default_backend, resolve_device
+from .wire import watch
 
 
 def _no_report(**metrics) -> None:
@@ -177,6 +178,7 @@ def _init(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    watch()  # count every byte this rank's group is handed (labkit.wire)
     # gloo connects its full mesh lazily; without this a rank that finishes at once can destroy
     # the group while a peer is still connecting ("connectFullMesh failed", ~1 launch in 60).
     if barrier:

@@ -56,8 +56,10 @@ def finalize(records: list[dict]) -> pd.DataFrame:
       one-rank all-reduce) moves to ``sync_overhead_s``.
     * ``start_s`` is measured from the run's first step; pipeline events from their step's
       earliest start on any rank (one clock for every rank: the shared ``perf_counter``).
-    * Pipelines get ``bubble_fraction`` (measured), ``bubble_predicted`` (the schedule simulated
-      on this step's measured stage costs and hand-offs) and ``bubble_theory`` ((P-1)/(M+P-1)).
+    * Pipelines get ``bubble_fraction`` (measured), ``bubble_replay`` (the schedule replayed on
+      this very step's measured stage costs and hand-offs: a check that the simulator
+      reproduces what ran, not a prediction; ``labkit.timeline.bubble_table`` predicts from
+      other runs) and ``bubble_theory`` ((P-1)/(M+P-1)).
     """
     df = pd.DataFrame(records)
     if df.empty:
@@ -78,16 +80,16 @@ def finalize(records: list[dict]) -> pd.DataFrame:
 
 
 def _pipeline_columns(df: pd.DataFrame) -> None:
-    """Per step: every stage's events on one origin; the bubble measured, and predicted by
-    simulating the schedule on that step's measured costs (``labkit.predict.schedule``)."""
+    """Per step: every stage's events on one origin; the bubble measured, and replayed by
+    simulating the schedule on that step's own measured costs (``labkit.predict.schedule``)."""
     schedule, M = df["schedule"].iloc[0], int(df["microbatches"].iloc[0])
     P = int(df["world_size"].iloc[0])
     steps = []
     for col in (
         "span_s",
         "bubble_fraction",
-        "bubble_predicted",
-        "span_predicted_s",
+        "bubble_replay",
+        "span_replay_s",
         "handoff_s",
         "dispatch_gap_s",
     ):
@@ -103,13 +105,13 @@ def _pipeline_columns(df: pd.DataFrame) -> None:
         span = max(e["end"] for e in events) - min(e["start"] for e in events)
         measured = bubble_per_stage(events)  # one formula for both columns
         costs = costs_from_steps([events], P)
-        predicted = predict_step(schedule, M, costs)
+        replayed = predict_step(schedule, M, costs)
         for i in g.index:
             s = int(df.at[i, "stage"])
             df.at[i, "span_s"] = span
             df.at[i, "bubble_fraction"] = measured[s]
-            df.at[i, "bubble_predicted"] = predicted["bubble_per_stage"][s]
-            df.at[i, "span_predicted_s"] = predicted["span_s"]
+            df.at[i, "bubble_replay"] = replayed["bubble_per_stage"][s]
+            df.at[i, "span_replay_s"] = replayed["span_s"]
             df.at[i, "handoff_s"] = costs.handoff_s[s] if s < P - 1 else math.nan
             df.at[i, "dispatch_gap_s"] = costs.gap_s[s]
         steps.append(events)
@@ -246,8 +248,9 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     rank), and efficiency = that / world_size; cpu_share: median over steps of the least CPU
     share any rank got while computing; busy: below ``BUSY_SHARE``, the machine was busy and the
     row is not comparable; loss: the global batch's loss at the last step; bytes_per_sample:
-    gradient bytes a rank all-reduces per optimizer step over the samples it trains on in it;
-    comm_total_ms: time any all-reduce was in flight; hidden_ms: the part of it not exposed.
+    bytes a rank sends per optimizer step (counted where they travel, ring algorithms:
+    ``labkit.wire``) over the samples it trains on in it; comm_total_ms: time any collective
+    was in flight; hidden_ms: the part of it not exposed.
     Load-balancing runs add ``throughput``'s whole-run columns
     (throughput_fraction against the sum of the ranks' solo throughputs, wait_share).
     """
@@ -269,7 +272,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
             "comm_share": med["comm_s"] / med["step_s"],
         }
     )
-    if "comm_bytes" in med:  # gradient payload a rank all-reduces per sample it trains
+    if "comm_bytes" in med:  # bytes a rank sends per sample it trains (labkit.wire)
         table["bytes_per_sample"] = (med["comm_bytes"] / med["samples"]).to_numpy()
     if "comm_total_s" in med:  # all communication in flight, and the part not exposed
         table["comm_total_ms"] = (1e3 * med["comm_total_s"]).to_numpy()
@@ -286,7 +289,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     table["speedup_same_cores"] = table["samples_per_s"] / table["threads"].map(single)
     table["efficiency"] = table["speedup_same_cores"] / table["world_size"]
     if "bubble_fraction" in records:  # pipelines: the stages' mean idle share, median step
-        for col in ("bubble_fraction", "bubble_predicted", "bubble_theory"):
+        for col in ("bubble_fraction", "bubble_replay", "bubble_theory"):
             table[col] = [
                 step_bubbles(g, column=col).median() if col in g else math.nan for _, g in runs
             ]
@@ -332,7 +335,7 @@ def throughput(records) -> dict:
 def step_bubbles(
     records: pd.DataFrame, min_cpu_share: float | None = None, column: str = "bubble_fraction"
 ) -> pd.Series:
-    """Per step, the stages' mean idle share (measured, or ``column="bubble_predicted"``);
+    """Per step, the stages' mean idle share (measured, or ``column="bubble_replay"``);
     with ``min_cpu_share``, only the steps in which every rank got at least that share of a
     core (the others measured the machine's load)."""
     per_step = records.groupby("step").agg(
@@ -341,16 +344,6 @@ def step_bubbles(
     if min_cpu_share is not None:
         per_step = per_step[per_step["cpu"] >= min_cpu_share]
     return per_step["bubble"]
-
-
-def bubble_error(records: pd.DataFrame, min_cpu_share: float | None = None) -> float:
-    """The median over steps of predicted minus measured bubble. Each step is predicted from
-    its own measured costs, so the error is read step by step; medians of the two columns taken
-    apart would pair one step's prediction with another step's measurement."""
-    diff = step_bubbles(records, min_cpu_share, column="bubble_predicted") - step_bubbles(
-        records, min_cpu_share
-    )
-    return float(diff.median()) if len(diff) else math.nan
 
 
 def phase_breakdown(records: pd.DataFrame) -> pd.DataFrame:

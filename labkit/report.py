@@ -43,7 +43,7 @@ def people_table(table: pd.DataFrame) -> pd.DataFrame:
     if "bubble_fraction" in table:
         for col, name in (
             ("bubble_fraction", "bubble"),
-            ("bubble_predicted", "predicted"),
+            ("bubble_replay", "replayed"),
             ("bubble_theory", "(P-1)/(M+P-1)"),
         ):
             out[name] = [_num(v, ".2f") for v in table[col]]
@@ -102,8 +102,9 @@ def explain(table: pd.DataFrame) -> str:
         if not math.isnan(row.get("bubble_fraction", math.nan)):
             lines.append(
                 f"{row['run']}: each stage idled {_pct(row['bubble_fraction'])} of the step; the "
-                f"schedule simulated on this run's measured stage times, hand-offs and dispatch "
-                f"predicted {_pct(row['bubble_predicted'])}, the closed form "
+                f"schedule replayed on each step's own measured stage times, hand-offs and "
+                f"dispatch gives {_pct(row['bubble_replay'])} (a replay, not a prediction: "
+                f"labkit.timeline.bubble_table predicts from other runs), the closed form "
                 f"(P-1)/(M+P-1) {_pct(row['bubble_theory'])} (it counts hand-offs as free)."
             )
             continue

@@ -4,20 +4,30 @@ stage balancing: ``labkit.models.partition``).
 A pipeline step is a set of events ``{"stage", "microbatch", "kind": "F"|"B", "start", "end"}``
 (seconds from the step start). The same functions read measured events (from the pipeline
 strategies' records) and theoretical ones (``theoretical_events``), so the notebook can put
-what ran beside what the schedule predicts. With P equal stages and M micro-batches, GPipe and
-1F1B both leave each stage idle for (P-1)/(M+P-1) of the step (GPipe, Huang et al. 2019,
-arXiv:1811.06965; 1F1B from PipeDream-Flush, Narayanan et al. 2021, arXiv:2006.09503): they
-differ in how many micro-batches' activations a stage holds at once (M against at most P).
+what ran beside what the schedule predicts from other runs (``bubble_table``). With P equal
+stages and M micro-batches, GPipe and 1F1B both leave each stage idle for (P-1)/(M+P-1) of the
+step (GPipe, Huang et al. 2019, arXiv:1811.06965; 1F1B from PipeDream-Flush, Narayanan et al.
+2021, arXiv:2006.09503): they differ in how many micro-batches' activations a stage holds at
+once (M against at most P).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pandas as pd
 
-from .predict.schedule import ScheduleCosts, simulate, theory_bubble
-from .records import bubble_error, step_bubbles
+from .predict.schedule import (
+    ScheduleCosts,
+    bubble_over_compute,
+    costs_at,
+    costs_from_steps,
+    predict_step,
+    simulate,
+    theory_bubble,
+)
+from .records import step_bubbles
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -53,22 +63,57 @@ def activations_in_flight(events: Sequence[dict]) -> dict[int, int]:
     return peak
 
 
-def bubble_table(records, min_cpu_share: float | None = 0.9):
-    """Per (schedule, M): the bubble measured, predicted and by the closed form (median step;
-    with ``min_cpu_share``, only steps where every rank had that share of a core), and the
-    prediction's error (median over those steps of predicted minus measured)."""
+def step_costs(records: pd.DataFrame, min_cpu_share: float | None = 0.9) -> ScheduleCosts:
+    """One run's measured costs per micro-batch (each stage's forward and backward, each
+    hand-off, each stage's dispatch gap, with every sample), from its steps' events; with
+    ``min_cpu_share``, only the steps in which every rank had that share of a core."""
+    P = int(records["world_size"].iloc[0])
+    keep = step_bubbles(records, min_cpu_share).index
+    steps = [
+        [e for evs in g["events"] for e in evs]
+        for step, g in records.groupby("step")
+        if step in keep
+    ]
+    return costs_from_steps(steps, P)
+
+
+def bubble_table(
+    records: pd.DataFrame,
+    calibration: tuple[int, int] | None = None,
+    min_cpu_share: float | None = 0.9,
+) -> pd.DataFrame:
+    """Per (schedule, M): the bubble measured (median over the clean steps: every rank had
+    ``min_cpu_share`` of a core), predicted from *other* runs, and by the two closed forms.
+
+    The prediction is out of sample: the costs measured in the runs at the two ``calibration``
+    micro-batch counts (default: each schedule's smallest and largest M) are fitted as lines
+    in the micro-batch size (``labkit.predict.schedule.costs_at``), and the schedule is
+    simulated on them at every other M. The calibration runs' own rows carry no prediction
+    (simulating a run on its own costs would be a replay)."""
     rows = []
-    for (schedule, M), g in records.groupby(["schedule", "microbatches"]):
-        measured = step_bubbles(g, min_cpu_share)
-        rows.append(
-            {
-                "schedule": schedule,
-                "microbatches": int(M),
-                "bubble_fraction": measured.median(),
-                "bubble_predicted": step_bubbles(g, min_cpu_share, "bubble_predicted").median(),
-                "error": bubble_error(g, min_cpu_share),
-                "theory": theory_bubble(int(g["world_size"].iloc[0]), int(M)),
-                "clean_steps": len(measured),
-            }
-        )
+    for schedule, runs in records.groupby("schedule"):
+        P = int(runs["world_size"].iloc[0])
+        batch = int(runs["global_batch"].iloc[0])
+        counts = sorted(int(m) for m in runs["microbatches"].unique())
+        cal = tuple(calibration or (counts[0], counts[-1]))
+        costs = {m: step_costs(runs[runs["microbatches"] == m], min_cpu_share) for m in cal}
+        for M in counts:
+            g = runs[runs["microbatches"] == M]
+            measured = step_bubbles(g, min_cpu_share)
+            predicted = math.nan
+            if M not in cal and len(counts) > 2:
+                predicted = predict_step(schedule, M, costs_at(costs, batch, M))["bubble"]
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "microbatches": M,
+                    "role": "calibration" if M in cal else "predicted",
+                    "bubble_fraction": measured.median(),
+                    "bubble_predicted": predicted,
+                    "error": predicted - measured.median(),
+                    "theory": theory_bubble(P, M),
+                    "idle_over_compute": bubble_over_compute(P, M),
+                    "clean_steps": len(measured),
+                }
+            )
     return pd.DataFrame(rows)

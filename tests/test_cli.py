@@ -281,7 +281,7 @@ def test_torchrun_pipeline_progress_comes_from_the_last_stage_in_measured_steps(
     assert r.returncode == 0, r.stdout + r.stderr
     assert "pipeline_gpipe: step 5/5 loss " in r.stdout and "nan" not in r.stdout, r.stdout
     payload = json.loads(out.read_text())
-    assert {"oversubscribed", "loss", "bubble_predicted"} <= set(payload["records"][0])
+    assert {"oversubscribed", "loss", "bubble_replay"} <= set(payload["records"][0])
     assert payload["meta"]["notes"], payload["meta"]  # the stage layout, at least
 
 

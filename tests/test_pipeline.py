@@ -9,15 +9,16 @@ import random
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 import torch
 
 from labkit import RunConfig, models, timeline
 from labkit.experiment import run
 from labkit.models import even_bounds, make_model
-from labkit.predict.schedule import bubble_per_stage, theory_bubble
+from labkit.predict.schedule import ScheduleCosts, bubble_per_stage, costs_at, theory_bubble
+from labkit.rank.probes import TIME_COLUMNS
 from labkit.rank.profiling import layer_costs
-from labkit.records import bubble_error
 
 # A small model: equivalence runs are about arithmetic, not speed.
 SMALL = RunConfig(
@@ -111,8 +112,10 @@ def test_same_parameters_as_single(single_params, strategy, impl, stages, microb
         held = M if strategy != "pipeline_1f1b" else min(M, stages - rec["stage"])
         assert rec["activations_peak"] == held, (rec["stage"], rec["activations_peak"])
         assert rec["activation_bytes_peak"] > 0 and 0 <= rec["bubble_fraction"] < 1
-        phases = sum(rec[c] for c in ("data_s", "forward_s", "backward_s", "comm_s", "optimizer_s"))
-        assert phases == pytest.approx(rec["step_s"], rel=1e-6)
+        phases = sum(rec[c] for c in TIME_COLUMNS if c != "step_s")
+        assert phases == pytest.approx(rec["step_s"], rel=1e-6)  # "other" is the rest, by name
+        if impl == "scratch" and stages > 1:  # every stage waits for a message: timed where
+            assert rec["comm_s"] > 0 and rec["comm_bytes"] > 0  # it blocks, counted where sent
     # every stage reports the global batch's loss, which the last stage computed
     assert df.groupby("step")["loss"].nunique().eq(1).all()
 
@@ -138,9 +141,10 @@ def test_gpipe_holds_more_activation_bytes_than_1f1b():
 
 # Two sizes. At the defaults (width 256, global batch 64) a micro-batch computes for about as
 # long as a gloo hand-off takes, so the closed form (P-1)/(M+P-1) is far off (0.38 measured
-# against 0.11 at M=8) and only the prediction, which simulates the schedule on each step's
-# measured stage times, hand-offs and dispatch, can be right. At width 1024 and batch 1024
-# compute dominates (depth 5 with a 32-wide input makes the two stages equal).
+# against 0.11 at M=8) and only a prediction that knows this machine's hand-offs and dispatch
+# can be right. At width 1024 and batch 1024 compute dominates (depth 5 with a 32-wide input
+# makes the two stages equal). The prediction for M=2 and M=4 is made from the runs at M=1 and
+# M=8 (their measured costs as lines in the micro-batch size): out of sample.
 DEFAULTS = RunConfig(
     strategy="pipeline_gpipe", world_size=2, stages=2, steps=16, warmup=2, threads=1, timeout_s=180
 )
@@ -150,41 +154,48 @@ WIDE = DEFAULTS.replace(
 # Each record says what share of a core its rank got while it wanted one (compute_cpu_share);
 # a step counts only if every stage got at least 0.9. If other processes leave fewer than 2 such
 # steps, the measurement did not hold still and the test skips, saying so with the numbers (it
-# runs in CI, where nothing competes). The error held to the goal is per step (each step is
-# predicted from its own costs), its median over the clean steps: ``bubble_error``.
-CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, 0.05
+# runs in CI, where nothing competes). The tolerance is what a prediction from other runs can
+# promise: at the defaults the same configuration run twice measured 0.479 and 0.523 at M=4
+# (a hand-off is ~1 ms, and one scheduler tick on it moves a step), so 0.08; at width 1024,
+# where compute dominates, predictions landed within 0.025 over two repeats, so 0.05.
+CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, {"defaults": 0.08, "wide": 0.05}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", ["defaults", "wide"])
 @pytest.mark.parametrize("schedule", ["pipeline_gpipe", "pipeline_1f1b"])
-def test_predicted_bubble_matches_measured_at_p2(schedule, size):
-    from labkit.records import step_bubbles
-
+def test_bubble_predicted_from_other_runs_matches_the_measured_at_p2(schedule, size):
     base = DEFAULTS if size == "defaults" else WIDE
-    measured, report = {}, {}
-    for M in (1, 2, 4, 8):
-        df = run(base.replace(strategy=schedule, microbatches=M)).records
-        clean = step_bubbles(df, CLEAN_SHARE)
-        predicted = step_bubbles(df, CLEAN_SHARE, column="bubble_predicted")
-        report[M] = {
-            "theory": round(theory_bubble(2, M), 3),
-            "clean steps": len(clean),
-            "cpu share": round(float(df["compute_cpu_share"].median()), 2),
-        }
-        if len(clean) < CLEAN_STEPS:
-            pytest.skip(
-                f"ranks did not get a core each (other processes were running): "
-                f"timings are not the pipeline's; measured {report}"
-            )
-        measured[M] = report[M]["measured"] = round(float(clean.median()), 3)
-        report[M]["predicted"] = round(float(predicted.median()), 3)
-        report[M]["error"] = round(bubble_error(df, CLEAN_SHARE), 3)
-    for M in measured:
-        assert abs(report[M]["error"]) <= PREDICT_TOL, report
+    runs = [run(base.replace(strategy=schedule, microbatches=M)).records for M in (1, 2, 4, 8)]
+    table = timeline.bubble_table(pd.concat(runs, ignore_index=True), min_cpu_share=CLEAN_SHARE)
+    report = table.round(3).to_dict("records")
+    if (table["clean_steps"] < CLEAN_STEPS).any():
+        pytest.skip(
+            f"ranks did not get a core each (other processes were running): timings are not "
+            f"the pipeline's; measured {report}"
+        )
+    predicted = table[table["role"] == "predicted"]
+    assert list(predicted["microbatches"]) == [2, 4], report  # 1 and 8 calibrate
+    assert (predicted["error"].abs() <= PREDICT_TOL[size]).all(), report
+    measured = table.set_index("microbatches")["bubble_fraction"]
     if size == "wide":  # compute-bound: the closed form holds where it should
         assert abs(measured[1] - 0.5) <= 0.05, report
         assert measured[8] < measured[1], report  # micro-batching fills the pipeline
+
+
+def test_costs_at_recovers_lines_through_two_measurements():
+    # stage costs that are exactly fixed + per-sample: two runs pin the line, a third M lands on it
+    def costs(M):
+        b = 64 / M
+        return ScheduleCosts((1e-3 + 1e-4 * b,), (2e-3 + 2e-4 * b,), (), (5e-4,))
+
+    got = costs_at({1: costs(1), 8: costs(8)}, 64, 4)
+    want = costs(4)
+    assert got.forward_s == pytest.approx(want.forward_s)
+    assert got.backward_s == pytest.approx(want.backward_s)
+    assert got.gap_s == pytest.approx(want.gap_s)
+    with pytest.raises(ValueError, match="two micro-batch counts"):
+        costs_at({1: costs(1)}, 64, 4)
 
 
 @pytest.mark.parametrize("impl", ["scratch", "torch"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,7 +17,6 @@ from labkit.rank.probes import (
     TIME_COLUMNS,
     StepProbe,
     grad_bytes,
-    peak_memory,
     probe_overhead_s,
 )
 
@@ -43,7 +44,9 @@ def test_phase_times_add_up_to_step_s_and_each_covers_its_work():
 
 def test_record_is_one_flat_dict_with_the_documented_columns():
     probe = StepProbe("cpu", strategy="ddp", world_size=2, rank=1, device="cpu", global_batch=64)
-    rec = _timed_step(probe, {}, comm_bytes=1024.0, microbatches=4)
+    traffic = {"comm_bytes": 1024, "comm_calls": 2, "comm_payload_bytes": 1024,
+               "comm_in_flight_s": 0.0, "comm_untimed": 1}  # fmt: skip
+    rec = _timed_step(probe, {}, traffic=traffic, microbatches=4)
     assert {
         "strategy": "ddp",
         "world_size": 2,
@@ -56,6 +59,7 @@ def test_record_is_one_flat_dict_with_the_documented_columns():
     assert rec["threads"] == torch.get_num_threads() and rec["start_s"] > 0
     assert set(TIME_COLUMNS) <= set(rec)
     assert rec["comm_bytes"] == 1024 and isinstance(rec["comm_bytes"], int)
+    assert (rec["comm_calls"], rec["comm_payload_bytes"]) == (2, 1024)
     assert rec["peak_mem_bytes"] > 0 and rec["microbatches"] == 4
     assert all(not isinstance(v, (dict, list, torch.Tensor)) for v in rec.values())
 
@@ -95,8 +99,11 @@ def test_probe_overhead_is_small():
 
 def test_time_columns_match_phases():
     assert TIME_COLUMNS == tuple(f"{p}_s" for p in PHASES) + ("step_s",)
-    # "wait": a rank's time at the sync point before the all-reduce (load-balancing lab)
-    assert PHASES == ("data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer")
+    # "wait": a rank's time waiting for the others (the load-balancing lab's arrival point, a
+    # pipeline's barrier); "other": between the timed phases (a pipeline schedule's bookkeeping)
+    assert PHASES == (
+        "data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer", "other"
+    )  # fmt: skip
 
 
 def _spin(seconds: float) -> None:
@@ -143,11 +150,19 @@ def test_cpu_share_counts_waiting_for_a_core_not_waiting_for_peers():
 
 
 def test_peak_memory_on_cpu_is_the_resident_high_water_mark():
-    before = peak_memory(torch.device("cpu"))
-    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # touch 64 MiB
-    block.add_(1)
-    assert peak_memory("cpu") >= before and peak_memory("cpu") >= 64 * 2**20
-    del block
+    # in a fresh process (pytest's own high-water mark is far above any small block): touch a
+    # block bigger than everything the process has held so far, and the peak must rise by it
+    code = (
+        "import torch\n"
+        "from labkit.rank.probes import peak_memory\n"
+        "before = peak_memory('cpu')\n"
+        "block = torch.ones(before + 256 * 2**20, dtype=torch.uint8)\n"
+        "print(before, peak_memory('cpu'), block.numel())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    before, after, size = (int(x) for x in out.stdout.split())
+    assert after - before >= 0.9 * (size - before), (before, after, size)  # the block's new pages
+    assert after >= size
 
 
 def test_grad_bytes_counts_trainable_parameters_once():

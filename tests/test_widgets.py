@@ -113,8 +113,8 @@ def test_pipeline_panel_controls_and_redraw():
     panel.steps.value = 3
     panel.start().join(120)
     assert panel.result.cfg.steps == 3
-    assert "measured (gpipe, P=2, M=4)" in shown(panel) and "predicted" in shown(panel)
-    assert "predicted" in panel.status.value and "closed form" in panel.status.value
+    assert "measured (gpipe, P=2, M=4)" in shown(panel) and "replayed" in shown(panel)
+    assert "replayed" in panel.status.value and "closed form" in panel.status.value
 
 
 def test_a_panel_trains_your_own_model():
@@ -127,4 +127,5 @@ def test_a_panel_trains_your_own_model():
         model_fn=lambda cfg: nn.Sequential(nn.Linear(32, 7), nn.Tanh(), nn.Linear(7, 10)),
     )
     assert panel.error is None and "done" in panel.status.value
-    assert (panel.records["comm_bytes"] == 4 * (32 * 7 + 7 + 7 * 10 + 10)).all()
+    sent = panel.records.groupby("world_size")["comm_bytes"].unique()  # counted on the wire
+    assert list(sent[2]) == [4 * (32 * 7 + 7 + 7 * 10 + 10)] and list(sent[1]) == [0]

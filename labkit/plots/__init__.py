@@ -17,6 +17,7 @@ PHASE_COLORS = {
     "comm": "#e45756",
     "sync_overhead": "#b279a2",
     "optimizer": "#54a24b",
+    "other": "#d8d8d8",
 }
 
 

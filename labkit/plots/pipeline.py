@@ -60,11 +60,16 @@ def gantt(events: Sequence[dict], title: str = "pipeline timeline", unit: str = 
 
 
 def gantt_vs_theory(
-    events: Sequence[dict], schedule: str, stages: int, microbatches: int
+    events: Sequence[dict],
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    predicted_costs: ScheduleCosts | None = None,
 ) -> go.Figure:
-    """One step three ways: measured (top); predicted, i.e. the schedule simulated on this
-    step's measured stage times, hand-offs and dispatch; and the closed form's ideal, equal
-    stages with the same mean F/B times and free hand-offs."""
+    """One step three ways: measured (top); in the middle the schedule simulated on
+    ``predicted_costs`` (costs measured in other runs: a prediction), or without them on this
+    step's own measured stage times, hand-offs and dispatch (a replay, and labelled one); and
+    the closed form's ideal, equal stages with the same mean F/B times and free hand-offs."""
     f = [e["end"] - e["start"] for e in events if e["kind"] == "F"] or [1.0]
     b = [e["end"] - e["start"] for e in events if e["kind"] == "B"] or [2.0]
     ideal = simulate(
@@ -72,7 +77,8 @@ def gantt_vs_theory(
         microbatches,
         ScheduleCosts.uniform(stages, statistics.mean(f), statistics.mean(b)),
     )
-    costs = costs_from_steps([events], stages)
+    replay = predicted_costs is None
+    costs = costs_from_steps([events], stages) if replay else predicted_costs
     predicted = predict_step(schedule, microbatches, costs)
     measured = statistics.mean(bubble_per_stage(events).values())
     fig = make_subplots(
@@ -82,9 +88,13 @@ def gantt_vs_theory(
         vertical_spacing=0.09,
         subplot_titles=(
             f"measured ({schedule}, P={stages}, M={microbatches}): bubble {measured:.2f}",
-            f"predicted from this step's measured costs (hand-off "
-            f"{1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
-            f"{1e3 * max(costs.gap_s, default=0):.2f} ms; mean costs drawn): expected bubble "
+            (
+                "replayed on this step's own measured costs (a replay, not a prediction"
+                if replay
+                else "predicted from other runs' measured costs ("
+            )
+            + f"; hand-off {1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
+            f"{1e3 * max(costs.gap_s, default=0):.2f} ms): expected bubble "
             f"{predicted['bubble']:.2f}",
             f"closed form, equal stages and free hand-offs: (P-1)/(M+P-1) = "
             f"{theory_bubble(stages, microbatches):.2f}",

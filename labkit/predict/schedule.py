@@ -193,7 +193,7 @@ def costs_from_steps(steps: Sequence[Sequence[dict]], stages: int) -> ScheduleCo
         if prev_end is not None and (dep_end is None or dep_end + handoff[boundary] <= prev_end):
             gap.setdefault(s, []).append(start - prev_end)
     samples = {
-        **{k: tuple(max(0.0, x) for x in v) for k, v in dur.items()},
+        **{(kind, s): tuple(max(0.0, x) for x in v) for (s, kind), v in dur.items()},
         **{("hop", b): tuple(max(0.0, x) for x in v) for b, v in hop.items()},
         **{("gap", s): tuple(max(0.0, x) for x in v) for s, v in gap.items()},
     }
@@ -235,3 +235,48 @@ def predict_step(
 def theory_bubble(stages: int, microbatches: int) -> float:
     """Idle share of each stage for P equal stages and M micro-batches: (P-1)/(M+P-1)."""
     return (stages - 1) / (microbatches + stages - 1)
+
+
+def bubble_over_compute(stages: int, microbatches: int) -> float:
+    """The same idle time over the compute instead of over the span: (P-1)/M, as Megatron-LM
+    (Narayanan et al., SC'21) and the Ultra-Scale Playbook write it. Both say how much of the
+    pipeline's time is lost; (P-1)/(M+P-1) is a share of the step, (P-1)/M the overhead on
+    top of the useful work, and (P-1)/M = x / (1 - x) for x = (P-1)/(M+P-1)."""
+    return (stages - 1) / microbatches
+
+
+def costs_at(
+    calibration: Mapping[int, ScheduleCosts], global_batch: int, microbatches: int
+) -> ScheduleCosts:
+    """Costs at ``microbatches`` micro-batches from costs measured at two other counts (runs
+    apart from the one predicted): each stage's forward and backward time, and each hand-off,
+    as a line in the micro-batch's size (a fixed cost plus a cost per sample) through the two
+    measurements; each stage's dispatch gap as their mean (it does not grow with the size).
+    The samples of the calibration run whose micro-batch size is nearest are kept, scaled to
+    the line, so that ``predict_step`` draws the spread that was measured."""
+    if len(calibration) < 2:
+        raise ValueError("costs_at needs costs measured at two micro-batch counts")
+    (m_a, a), (m_b, b) = sorted(calibration.items())[:2]
+    size_a, size_b, size = global_batch / m_a, global_batch / m_b, global_batch / microbatches
+
+    def line(at_a: float, at_b: float) -> float:
+        slope = (at_a - at_b) / (size_a - size_b)
+        return max(0.0, at_b + slope * (size - size_b))
+
+    fwd = tuple(line(x, y) for x, y in zip(a.forward_s, b.forward_s))
+    bwd = tuple(line(x, y) for x, y in zip(a.backward_s, b.backward_s))
+    hop = tuple(line(x, y) for x, y in zip(a.handoff_s, b.handoff_s))
+    gap = tuple((x + y) / 2 for x, y in zip(a.gap_s, b.gap_s))
+    near = a if abs(size_a - size) <= abs(size_b - size) else b
+    target = {
+        **{("F", s): v for s, v in enumerate(fwd)},
+        **{("B", s): v for s, v in enumerate(bwd)},
+        **{("hop", i): v for i, v in enumerate(hop)},
+        **{("gap", s): v for s, v in enumerate(gap)},
+    }
+    samples = {}
+    for key, values in (near.samples or {}).items():
+        mean = statistics.fmean(values) if values else 0.0
+        scale = target.get(key, mean) / mean if mean > 0 else 1.0
+        samples[key] = tuple(v * scale for v in values)
+    return ScheduleCosts(fwd, bwd, hop, gap, samples or None)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from .. import registry
 from ..models import even_bounds  # the split labkit's pipelines use
 from ..shares import split
-from .collectives import CollectiveModel
+from .collectives import CollectiveModel, coefficients
 from .schedule import ScheduleCosts
 from .schedule import predict_step as simulate_pipeline
 
@@ -168,7 +168,7 @@ class StepPrediction:
     optimizer_s: float
     comm_total_s: float  # all communication, hidden or not
     exposed_s: float  # communication on the critical path
-    comm_bytes: float  # payload bytes each rank all-reduces per optimizer step
+    comm_bytes: float  # bytes each rank sends per optimizer step (ring all-reduce: 2(n-1)/n x)
     buckets: list[dict] = field(default_factory=list)
     bubble: float | None = None  # pipelines: mean idle share of the stages
     after_wait_s: float = 0.0  # compute slowed by waiting (Profile.after_wait)
@@ -343,7 +343,8 @@ def predict(
     )
     if ranks == 1:
         return pred
-    pred.comm_bytes = syncs * profile.grad_bytes * compression
+    per_byte = coefficients("all_reduce", ranks)[1]  # a ring all-reduce sends 2(n-1)/n of it
+    pred.comm_bytes = syncs * profile.grad_bytes * compression * per_byte
     if strategy == "ddp":
         pred.backward_s += accumulate * profile.ddp_overhead_s
         total, exposed, pred.buckets = ddp_timeline(

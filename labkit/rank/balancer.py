@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DistributedSampler, default_collate
 
+from ..dist import all_reduce_flat
 from ..shares import skew_weights, slowdown_at, split
 
 if TYPE_CHECKING:
@@ -68,7 +70,8 @@ class Balancer:
     world_size: int
     device: torch.device
     dataset: object
-    joinable: JoinableSync | None = None  # rebalance="join": the strategy's sync
+    model: nn.Module
+    joinable: JoinableSync | None = None  # rebalance="join": the sync, joinable
     shares: list[int] = field(default_factory=list)
     samples: int = 0  # this rank's samples in the current step
     window: list[list[tuple[float, float]]] = field(default_factory=list)  # per step, per rank
@@ -129,6 +132,19 @@ class Balancer:
         wait = time.perf_counter() - t
         self.window.append([(float(c), float(n)) for c, n in (e.tolist() for e in every)])
         return wait
+
+    def sync(self) -> None:
+        """The gradient average at the arrival point: under join, ``JoinableSync``'s (the
+        ranks that ran out shadow it); else one flat all-reduce of every gradient, so that what
+        a run measures is the balance, not one latency per parameter tensor. Each rank's loss
+        was weighted by its share, so the average is the global batch's mean gradient."""
+        if self.joinable is not None:
+            self.joinable.reduce(self.samples)
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        all_reduce_flat(grads)
+        for g in grads:
+            g /= self.world_size
 
     def end_step(self, step: int) -> None:
         """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput

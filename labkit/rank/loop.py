@@ -1,7 +1,8 @@
-"""What every data-parallel strategy shares: building the model and data, and the training loop.
+"""The training loop every strategy but the pipelines runs, and what it needs to start.
 
-The loop is written once so that the strategies differ only in how they prepare the model, the
-data and the gradient synchronisation. That difference is the lesson: diff single.py and ddp.py.
+The loop is written once, and it does the measuring, so that a strategy's file holds only how it
+prepares the model, the data and the gradient synchronisation: the algorithm. That difference is
+the lesson: diff single.py and ddp.py.
 """
 
 from __future__ import annotations
@@ -9,20 +10,22 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
 
+from .. import registry
 from ..config import RunConfig
 from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
 from ..models import checkpoint_blocks
 from ..registry import DATA_PARALLEL
+from ..wire import traffic, watch_all
 from .balancer import Balancer, straggle
-from .join import join_context
+from .join import JoinableSync, join_context
 from .memory_meter import MemoryMeter
 from .precision import Amp
 from .probes import StepProbe, cpu_seconds, sync
@@ -53,15 +56,6 @@ def build_model(cfg: RunConfig, ctx: RankContext, fns: Factories) -> nn.Module:
     return model.to(ctx.device)
 
 
-def data_iter(
-    cfg: RunConfig, fns: Factories, rank: int, world_size: int, batch_size: int, dataset=None
-):
-    """This rank's endless batches, and its loader (for a side batch that leaves the order be)."""
-    dataset = fns.dataset(cfg) if dataset is None else dataset
-    loader = shard_loader(dataset, batch_size, rank, world_size, seed=cfg.seed)
-    return batches(loader), loader
-
-
 def seed_rank_streams(cfg: RunConfig, ctx: RankContext) -> None:
     """After everything is built from the shared seed, give each rank its own random stream:
     dropout masks and augmentations must differ between ranks (identical masks would repeat one
@@ -77,93 +71,101 @@ def final_state(cfg: RunConfig, module: nn.Module) -> dict | None:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
+def data_iter(cfg: RunConfig, fns: Factories, rank: int, world_size: int) -> batches:
+    """This rank's endless batches of ``cfg.batch_per_rank`` samples: shard ``rank`` of
+    ``world_size`` (``.loader.dataset`` is the dataset, built once per run)."""
+    loader = shard_loader(fns.dataset(cfg), cfg.batch_per_rank, rank, world_size, seed=cfg.seed)
+    return batches(loader)
+
+
 def train_loop(
     cfg: RunConfig,
     ctx: RankContext,
     model: nn.Module,
-    data: Iterator,
+    data: batches,
     *,
-    strategy: str,
     fns: Factories,
     sync_grads: Callable[[], None] | None = None,
-    calibrate: Callable[[nn.Module], float] | None = None,
-    comm_bytes: int | Callable[[], int] = 0,
-    comm_total: Callable[[], float] | None = None,
-    unwrapped: nn.Module | None = None,
-    notes: list[str] | None = None,
-    balancer: Balancer | None = None,
-    make_optimizer: Callable | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     after_step: Callable[[int], dict] | None = None,
     until: Callable[[], bool] | None = None,
     steps: int | None = None,
 ) -> dict:
     """Warm up, then train ``cfg.steps`` measured steps; return this rank's records.
 
-    Each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k so the
-    summed gradients are those of the whole global batch. Gradients are synchronised after the
-    last micro-batch only (DDP's ``no_sync()`` on the others), or after every one with
-    ``cfg.sync_every_microstep``. ``sync_grads`` runs between a backward and the optimizer
-    (hand-written all-reduce); ``calibrate(loss_fn)`` runs once after warm-up and returns one
-    micro-batch's backward time with communication off, so the probe can split DDP's overlapped
-    backward into compute and exposed communication. ``comm_bytes``: payload bytes one
-    synchronisation all-reduces (or a function returning those of the step just taken);
-    ``comm_total()``: seconds any all-reduce was in flight during the step (DDP's timed hook);
-    without it, communication is synchronous and all of it is the exposed ``comm`` phase.
-    ``unwrapped``: the plain model inside a wrapper (its state names are the ones ``single`` has).
-    ``balancer`` (``labkit.rank.balancer``, ddp_naive): this rank's slice of each global batch and
-    its loss weight, the injected slowdown, the timed arrival before the all-reduce (``wait``
-    phase), share updates, and under join the steps this rank's data lasts.
-    Without a balancer, ``cfg.slowdown`` still makes a rank a straggler (the sync/async lab's
-    modes). ``make_optimizer(params)``: the optimizer instead of the user's (ZeRO-1 wraps it;
-    DiLoCo's inner AdamW). ``after_step(i)`` runs after each optimizer step, before
-    ``zero_grad`` (local SGD's and DiLoCo's averaging rounds), timed as ``comm``, and returns
-    extra record columns. ``until()``: checked before each measured step, True ends the run
-    early (the async modes stop when the shared model has had its updates); ``steps``: this
-    rank's most measured steps, if not ``cfg.steps`` (an async rank may make them all).
-    ``cfg.checkpoint_dir`` (``labkit.rank.resume.Resume``): continue from its checkpoint, write
-    one every ``cfg.checkpoint_every`` steps, and a timeline row per step.
-    Memory and precision (``labkit.rank.memory_meter``, ``labkit.rank.precision``): forward runs
-    under ``cfg.precision``'s autocast, and every record carries the bytes of each memory category.
+    What a strategy hands over is its algorithm: the model (wrapped or not), this rank's data,
+    and optionally ``sync_grads`` (called after each backward that ends a step: hand-written
+    gradient averaging), an ``optimizer`` (ZeRO-1 and DiLoCo bring their own), ``after_step(i)``
+    (after each optimizer step, before ``zero_grad``: local SGD's and DiLoCo's averaging rounds;
+    it returns extra record columns), ``until()`` (checked before each measured step; True ends
+    the run early: the asynchronous modes stop when the shared model has had its updates) and
+    ``steps`` (this rank's most measured steps, if not ``cfg.steps``).
+
+    The loop does the rest, the same for every strategy:
+
+    * each optimizer step runs ``cfg.accumulate`` micro-batches, their losses scaled by 1/k, and
+      gradients are synchronised after the last one only (DDP's ``no_sync()`` on the others) or
+      after every one (``cfg.sync_every_microstep``); forward runs under ``cfg.precision``'s
+      autocast (``labkit.rank.precision``);
+    * load balancing (``cfg.balancing``, ``labkit.rank.balancer``): this rank's slice of every
+      global batch and its loss weight, the injected slowdown, the timed arrival before the
+      gradient sync (the ``wait`` phase) and the sync itself, one flat message (or Join's);
+    * ``cfg.checkpoint_dir`` (``labkit.rank.resume``): continue from its checkpoint, write one
+      every ``cfg.checkpoint_every`` steps;
+    * measurement, attached from outside the strategy: a ``StepProbe`` times each phase;
+      ``labkit.wire`` counts every byte the rank's process groups were handed and times each
+      collective in flight; for a model with ``no_sync`` (DDP), backward is timed once without
+      communication, and what a step's backward takes beyond it is exposed communication; the
+      memory meter counts each category once.
     """
     loss_fn = fns.loss(cfg)  # a mean over the local batch; ranks then average grads
-    optimizer = (make_optimizer or (lambda ps: fns.optimizer(cfg, ps)))(model.parameters())
+    optimizer = optimizer or fns.optimizer(cfg, model.parameters())
+    plain = getattr(model, "module", model)  # inside DDP / DataParallel: single's names
     amp = Amp(cfg.precision, ctx.device)
     meter = MemoryMeter(model, optimizer, at_step=max(cfg.warmup - 1, 0))  # counts one step
     seed_rank_streams(cfg, ctx)
     probe = StepProbe(
         ctx.device,
-        strategy=strategy,
+        strategy=cfg.strategy,
         world_size=cfg.world_size,
         rank=ctx.rank,
         device=str(ctx.device),
         global_batch=cfg.global_batch,
         accumulate=cfg.accumulate,
         precision=cfg.precision,
-        activation_checkpointing=cfg.activation_checkpointing,
+        checkpoint=cfg.activation_checkpointing,
     )
+    bal = None
+    if cfg.balancing and "rebalance" in registry.get(cfg.strategy).knobs:  # ddp_naive
+        bal = Balancer(cfg, ctx.rank, ctx.world_size, ctx.device, data.loader.dataset, model)
+        if cfg.rebalance == "join":
+            bal.joinable = JoinableSync(model, ctx.device)
+        sync_grads = bal.sync  # at the arrival point, weighted by shares
     k = cfg.accumulate
-    syncs = k if cfg.sync_every_microstep else 1  # synchronisations per optimizer step
-    bal = balancer
     total = cfg.warmup + (steps or cfg.steps)
     total = total if bal is None else bal.steps(total)
     comm_baseline_s, records = None, []
     progress = Progress(ctx, total - cfg.warmup)  # measured steps only
-    notes = notes if notes is not None else []
-    resume = (
-        None
-        if cfg.checkpoint_dir is None
-        else Resume(cfg, ctx, unwrapped if unwrapped is not None else model, optimizer, data, notes)
-    )
+    notes: list[str] = []
+    resume = None
+    if cfg.checkpoint_dir is not None:
+        resume = Resume(cfg, ctx, plain, optimizer, data, notes)
     start = resume.start() if resume is not None else 0
     # a straggler without a balancer (the sync/async modes) is timed on CPU seconds
     cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
+    wire = traffic()
+    wire.timing = True  # every collective's interval in flight: hidden vs exposed comm
+    watch_all()  # the groups the strategy made (DDP's, a mesh's, an averager's)
     with join_context(None if bal is None else bal.joinable):
         for i in range(start, total):
             if until is not None and i >= cfg.warmup and until():
                 break
-            if i == max(cfg.warmup, start) and calibrate is not None:
-                with amp.autocast():
-                    comm_baseline_s = k * calibrate(loss_fn)
+            if i == max(cfg.warmup, start) and hasattr(model, "no_sync"):
+                with amp.autocast():  # DDP: backward alone, on a side batch (order untouched)
+                    comm_baseline_s = k * backward_time_without_comm(
+                        model, loss_fn, next(iter(data.loader)), ctx.device
+                    )
+            wire.take()  # what came before this step (warm-up, calibration) is not its own
             probe.start()
             meter.begin(i)
             extra, losses, samples = {}, [], 0
@@ -177,8 +179,8 @@ def train_loop(
                 probe.mark("data")
                 t_compute = time.perf_counter()
                 c_compute = cpu() if cpu is not None else 0.0
-                plain = sync_now or not hasattr(model, "no_sync")
-                with nullcontext() if plain else model.no_sync():
+                no_sync = sync_now or not hasattr(model, "no_sync")
+                with nullcontext() if no_sync else model.no_sync():
                     with meter.forward(x, y), amp.autocast():
                         loss = loss_fn(model(x), y)
                     probe.mark("forward")
@@ -210,7 +212,7 @@ def train_loop(
             optimizer.zero_grad(set_to_none=True)
             probe.mark("optimizer")
             meter.step()  # counted outside the timed phases
-            sent = comm_bytes() if callable(comm_bytes) else syncs * comm_bytes
+            sent = wire.take()
             # Python floats, not stack/sum/div on tensors: three ops less between steps
             shard_loss = sum(v.item() * n for v, n in losses) / samples
             if bal is not None:
@@ -220,10 +222,9 @@ def train_loop(
                 shard_loss,
                 samples,
                 comm_baseline_s=comm_baseline_s,
-                comm_bytes=sent,
+                traffic=sent,
                 **extra,
             )
-            rec["comm_total_s"] = comm_total() if comm_total is not None else rec["comm_s"]
             rec.update(meter.columns())
             if bal is not None:
                 bal.end_step(i - cfg.warmup)
@@ -235,11 +236,8 @@ def train_loop(
             if i >= cfg.warmup:
                 records.append(rec)
                 progress(i + 1 - cfg.warmup, rec["shard_loss"], samples)
-    return {
-        "records": records,
-        "notes": notes,
-        "params": final_state(cfg, unwrapped if unwrapped is not None else model),
-    }
+    wire.timing = False
+    return {"records": records, "notes": notes, "params": final_state(cfg, plain)}
 
 
 class Progress:

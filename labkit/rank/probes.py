@@ -1,11 +1,12 @@
 """Per-step, per-rank timing and memory probes: one flat record per (rank, step).
 
-Phases: data (wait for the batch and move it), forward, backward, wait (load balancing: time
-blocked at the arrival point before the gradient all-reduce until the slowest rank got there;
-``labkit.rank.balancer``), comm (communication that
+Phases: data (wait for the batch and move it), forward, backward, wait (time blocked waiting for
+the other ranks: at the load-balancing arrival point before the gradient sync,
+``labkit.rank.balancer``, or a pipeline's barrier at the step's start), comm (communication that
 is *exposed*, i.e. not hidden behind backward compute), sync_overhead (gradient-sync machinery
 that ran with no peer to talk to: DDP's reducer or a one-rank all-reduce at world size 1; filled
-in by ``labkit.records.finalize``), optimizer (step + zero_grad). They add up to ``step_s``.
+in by ``labkit.records.finalize``), optimizer (step + zero_grad), other (what falls between the
+timed phases: a pipeline schedule's bookkeeping). They add up to ``step_s``.
 
 Each record also says how much CPU the rank got when it wanted one (``compute_cpu_share``): of
 the time its threads were ready to run while computing (forward and backward, every micro-batch;
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-PHASES = ("data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer")
+PHASES = ("data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer", "other")
 TIME_COLUMNS = tuple(f"{p}_s" for p in PHASES) + ("step_s",)
 
 
@@ -81,15 +82,20 @@ class StepProbe:
         samples: int,
         *,
         comm_baseline_s: float | None = None,
-        comm_bytes: int = 0,
+        traffic: dict | None = None,
         **extra,
     ) -> dict:
         """Close the step and return its record. ``loss`` is this rank's loss on its own samples
         (``shard_loss``); ``labkit.records.finalize`` combines ranks into the global-batch ``loss``.
 
         ``comm_baseline_s``: the backward time measured with communication off (DDP under
-        ``no_sync()``); whatever backward takes beyond it is exposed communication.
+        ``no_sync()``); whatever backward takes beyond it is sync time. ``traffic``: what the
+        step's process groups were handed (``labkit.wire.Traffic.take``). Exposed communication
+        is sync time while a collective was in flight: where every collective was timed, what
+        exceeds their time in flight is the sync machinery's own (``sync_overhead_s``: DDP's
+        bucket copies and callbacks, a hand-written average's divisions), not communication.
         """
+        traffic = traffic or {}
         if self.cuda:
             torch.cuda.synchronize(self.device)
             elapsed = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731  ms -> s
@@ -103,6 +109,11 @@ class StepProbe:
             exposed = max(0.0, times["backward_s"] - comm_baseline_s)
             times["comm_s"] += exposed
             times["backward_s"] -= exposed
+        in_flight = traffic.get("comm_in_flight_s")
+        if in_flight is not None and traffic["comm_calls"] and not traffic["comm_untimed"]:
+            excess = max(0.0, times["comm_s"] - in_flight)
+            times["comm_s"] -= excess
+            times["sync_overhead_s"] += excess
         share = (
             (self._ran / (self._ran + self._waited) if self._ran + self._waited > 0 else 1.0)
             if self.sched.available
@@ -126,7 +137,10 @@ class StepProbe:
             start_s=self._t0,
             cpu_share=share,
             device=self.device,
-            comm_bytes=comm_bytes,
+            comm_bytes=traffic.get("comm_bytes", 0),
+            comm_calls=traffic.get("comm_calls", 0),
+            comm_payload_bytes=traffic.get("comm_payload_bytes", 0),
+            comm_total_s=traffic.get("comm_in_flight_s", times["comm_s"]),
             **extra,
         )
 
@@ -142,6 +156,8 @@ def record(
     cpu_share: float,
     device: torch.device,
     comm_bytes: int,
+    comm_calls: int = 0,
+    comm_payload_bytes: int = 0,
     **extra,
 ) -> dict:
     """The one place a record is made (``StepProbe.finish``, the pipeline loop, the parameter
@@ -160,6 +176,11 @@ def record(
         "compute_cpu_share": cpu_share,
         "peak_mem_bytes": peak_memory(device),
         "comm_bytes": int(comm_bytes),
+        "comm_calls": int(comm_calls),
+        "comm_payload_bytes": int(comm_payload_bytes),
+        # seconds any collective was in flight (hidden or exposed); where none is timed, the
+        # communication phase itself
+        "comm_total_s": float(extra.pop("comm_total_s", times.get("comm_s", 0.0))),
         **extra,
     }
 

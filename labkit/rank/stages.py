@@ -23,10 +23,12 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from ..config import RunConfig
+from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
 from ..models import even_bounds, partition, split, stage_state_names
-from .loop import Progress, buffers_kept, build_model, data_iter, final_state, seed_rank_streams
+from ..wire import traffic
+from .loop import Progress, buffers_kept, build_model, final_state, seed_rank_streams
 from .probes import RunQueueClock, cpu_seconds, record, sync
 from .profiling import layer_costs
 
@@ -145,11 +147,19 @@ class EventLog:
     def __init__(self, stage: int, device: torch.device, offset_s: float = 0.0):
         self.stage, self.device, self.offset_s = stage, device, offset_s
         self.events: list[dict] = []
-        self.cpu_s = 0.0
+        self.cpu_s = self.comm_s = 0.0
         self.threads = torch.get_num_threads()
 
     def begin(self) -> None:
-        self.events, self.cpu_s = [], 0.0
+        self.events, self.cpu_s, self.comm_s = [], 0.0, 0.0
+
+    @contextmanager
+    def comm(self):
+        """Time blocked in a point-to-point receive or a send's completion: the step's
+        communication, read where it happens (not what is left of the step)."""
+        start = time.perf_counter()
+        yield
+        self.comm_s += time.perf_counter() - start
 
     @contextmanager
     def time(self, kind: str, microbatch: int):
@@ -200,16 +210,15 @@ def train_stages(
     Each step: fetch the global batch (data), meet every rank at a barrier and read the shared
     clock (this rank's step start), run the schedule, step the optimizer.
     """
-    data, _ = data_iter(
-        cfg, Factories(), rank=0, world_size=1, batch_size=cfg.global_batch, dataset=stage.dataset
-    )
+    data = batches(shard_loader(stage.dataset, cfg.global_batch, 0, 1, seed=cfg.seed))
     seed_rank_streams(cfg, ctx)
-    total, records = cfg.warmup + cfg.steps, []
+    total, records, wire = cfg.warmup + cfg.steps, [], traffic()
     progress = Progress(ctx, cfg.steps)
     sched = RunQueueClock(all_threads=log.threads > 1)
     for i in range(total):
         meter.reset()
         sched0 = sched.read()
+        wire.take()  # warm-up and the step before are not this step's traffic
         t_start = time.perf_counter()
         x, y = next(data)  # every stage draws it, so all stay on single's order
         x = x.to(ctx.device) if stage.first else None
@@ -233,6 +242,7 @@ def train_stages(
         if cpu_share is None:  # no schedstat: the thread's CPU time while computing
             cpu_share = out.log.cpu_s / (fwd + bwd) if ctx.device.type == "cpu" else float("nan")
         step_s, data_s, opt_s = t_end - t_start, t_data - t_start, t_end - t_sched
+        wait_s, comm_s = t0 - t_data, out.log.comm_s  # the barrier: every stage starts the step
         base = {
             "strategy": cfg.strategy,
             "world_size": cfg.world_size,
@@ -243,13 +253,17 @@ def train_stages(
         }
         times = {
             "data_s": data_s,
+            "wait_s": wait_s,
             "forward_s": fwd,
             "backward_s": bwd,
-            # barrier, recv waits, send completion and schedule bookkeeping: the rest of the step
-            "comm_s": max(0.0, step_s - data_s - fwd - bwd - opt_s),
+            "comm_s": comm_s,
             "optimizer_s": opt_s,
+            # schedule bookkeeping between the timed phases (torch's schedule: its sends and
+            # receives too, which labkit cannot time from outside)
+            "other_s": max(0.0, step_s - data_s - wait_s - fwd - bwd - comm_s - opt_s),
             "step_s": step_s,
         }
+        sent = wire.take()
         records.append(
             record(
                 base,
@@ -260,7 +274,9 @@ def train_stages(
                 start_s=t0 + log.offset_s,
                 cpu_share=cpu_share,
                 device=ctx.device,
-                comm_bytes=_comm_bytes(stage, cfg.microbatches),
+                comm_bytes=sent["comm_bytes"],
+                comm_calls=sent["comm_calls"],
+                comm_payload_bytes=sent["comm_payload_bytes"],
                 stage=stage.index,
                 microbatches=cfg.microbatches,
                 schedule=schedule,
@@ -281,10 +297,3 @@ def train_stages(
 
 def _whole_names(stage: Stage, state: dict | None) -> dict | None:
     return None if state is None else {stage.names[k]: v for k, v in state.items()}
-
-
-def _comm_bytes(stage: Stage, microbatches: int) -> int:
-    """Bytes this stage sends per step: activations forward, activation gradients backward."""
-    out = 0 if stage.last else stage.out.numel() * stage.out.element_size()
-    inp = 0 if stage.first else stage.inp.numel() * stage.inp.element_size()
-    return microbatches * (out + inp)

@@ -36,6 +36,7 @@ from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
 from ..rank.loop import Progress, build_model, data_iter, final_state, train_loop
 from ..rank.probes import record
+from ..wire import traffic
 
 PUSH, DONE = 1.0, 2.0
 HEADER = 4  # kind, version, loss, samples
@@ -135,7 +136,8 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
     budget = workers * (cfg.warmup + cfg.steps)
     stop = torch.full((n + 1,), -1.0)
     progress = Progress(ctx, workers * cfg.steps)
-    records, done, last = [], 0, time.perf_counter()
+    records, done, last, wire = [], 0, time.perf_counter(), traffic()
+    wire.take()
     while done < workers:
         src = dist.recv(inbox)  # from any worker; bounded by the group's timeout
         t1 = time.perf_counter()
@@ -150,6 +152,7 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         t2 = time.perf_counter()
         answer(src)
         t3 = time.perf_counter()
+        sent = wire.take()  # the push received, the reply sent (and stops since the last one)
         step = server.version - 1 - warmup_updates
         if step >= 0:
             base = {
@@ -174,8 +177,9 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
                     start_s=last,
                     cpu_share=float("nan"),
                     device=ctx.device,
-                    # the server sends the parameters back; it receives the worker's gradient
-                    comm_bytes=4 * (n + 1),
+                    comm_bytes=sent["comm_bytes"],
+                    comm_calls=sent["comm_calls"],
+                    comm_payload_bytes=sent["comm_payload_bytes"],
                     role="server",
                     worker=src,
                     staleness=stale,
@@ -198,9 +202,7 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
     """Ranks 1..N-1: train on their shard; after each backward, push the gradient and pull the
     parameters (the shared loop's ``sync_grads``), so the local optimizer has nothing to do."""
     workers = ctx.world_size - 1
-    data, _ = data_iter(
-        cfg, fns, rank=ctx.rank - 1, world_size=workers, batch_size=cfg.batch_per_rank
-    )
+    data = data_iter(cfg, fns, rank=ctx.rank - 1, world_size=workers)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
     reply, outbox = torch.empty(n + 1), torch.zeros(n + HEADER)
@@ -240,10 +242,8 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
             ctx,
             model,
             data,
-            strategy="async_ps",
             fns=tapped,
             sync_grads=exchange,
-            comm_bytes=4 * (n + HEADER),
             until=lambda: version[0] < 0,
             steps=workers * (cfg.warmup + cfg.steps) - cfg.warmup,
         )

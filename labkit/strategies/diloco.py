@@ -21,7 +21,6 @@ from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
 from ..rank.loop import build_model, data_iter, train_loop
-from ..rank.probes import grad_bytes
 
 
 def outer_optimizer(global_params: list[torch.Tensor], lr: float, momentum: float):
@@ -53,9 +52,7 @@ def outer_step(
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     broadcast_parameters(model)
-    data, _ = data_iter(
-        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
-    )
+    data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
     params = [p for p in model.parameters() if p.requires_grad]
     global_params = [p.detach().clone() for p in params]
     outer = outer_optimizer(global_params, cfg.outer_lr, cfg.outer_momentum)
@@ -66,14 +63,12 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         dist.all_reduce(flat, group=group)
         flat /= ctx.world_size
 
-    nbytes = grad_bytes(model)
-    state = {"rounds": 0, "averaged": 0}
+    state = {"rounds": 0}
 
     def after_step(i: int) -> dict:
         due = (i + 1) % cfg.period == 0
         if due:
             outer_step(global_params, params, outer, average)
-        state["averaged"] = int(due)
         state["rounds"] += int(due)
         return {"averaged": int(due), "rounds": state["rounds"], "period": cfg.period}
 
@@ -85,16 +80,6 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
             "outer_momentum): your optimizer_fn was not used"
         ]
     )
-    return train_loop(
-        cfg,
-        ctx,
-        model,
-        data,
-        strategy="diloco",
-        fns=fns,
-        make_optimizer=lambda params: inner,
-        notes=notes,
-        after_step=after_step,
-        comm_bytes=lambda: nbytes * state["averaged"],
-        unwrapped=model,
-    )
+    out = train_loop(cfg, ctx, model, data, fns=fns, optimizer=inner, after_step=after_step)
+    out["notes"] += notes
+    return out

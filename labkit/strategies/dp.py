@@ -35,7 +35,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
                 f"world_size={cfg.world_size} but only {gpus} GPU(s): DataParallel uses {used}."
             )
         dp_model = nn.DataParallel(model, device_ids=list(range(used)))
-    data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.batch_per_rank)
-    return train_loop(
-        cfg, ctx, dp_model, data, strategy="dp", fns=fns, notes=notes, unwrapped=model
-    )
+    data = data_iter(cfg, fns, rank=0, world_size=1)
+    out = train_loop(cfg, ctx, dp_model, data, fns=fns)
+    out["notes"] += notes
+    return out

@@ -8,7 +8,7 @@ backward gathers them once more, and the gradients are reduce-scattered, so each
 only its shard of them, and its optimizer updates only its shard. Memory per rank (ZeRO paper):
 (params + grads + optimizer) / N, plus one or two blocks' gathered parameters at a time.
 Communication per micro-batch: two all-gathers of the parameters and one reduce-scatter of the
-gradients, 1.5x DDP's all-reduce payload.
+gradients: each rank sends 3(N-1)/N of the model's bytes, 1.5x DDP's all-reduce (2(N-1)/N).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
 from ..rank.loop import build_model, data_iter, train_loop
-from ..rank.probes import grad_bytes
 
 
 def shard(model, ctx: RankContext):
@@ -33,15 +32,9 @@ def shard(model, ctx: RankContext):
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
-    model = build_model(cfg, ctx, fns)
-    nbytes = grad_bytes(model)  # before sharding: the whole model's
-    model = shard(model, ctx)
-    data, _ = data_iter(
-        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
-    )
-    out = train_loop(
-        cfg, ctx, model, data, strategy="fsdp", fns=fns, comm_bytes=cfg.accumulate * 3 * nbytes
-    )  # gather, gather, reduce-scatter
+    model = shard(build_model(cfg, ctx, fns), ctx)
+    data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
+    out = train_loop(cfg, ctx, model, data, fns=fns)
     if out["params"] is not None:  # check mode: whole tensors, as single has them
         out["params"] = {
             name: t.full_tensor() if hasattr(t, "full_tensor") else t

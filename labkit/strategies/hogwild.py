@@ -72,9 +72,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         counts.zero_()
     dist.barrier()  # initial weights written before anyone trains
     share_parameters(model, flat)
-    data, _ = data_iter(
-        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
-    )
+    data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
     seen = [0.0]  # updates of the others at this rank's last update
 
     def after_step(i: int) -> dict:
@@ -91,10 +89,8 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         ctx,
         model,
         data,
-        strategy="hogwild",
         fns=fns,
         after_step=after_step,
-        unwrapped=model,
         until=lambda: float(counts.sum()) >= budget,
         steps=budget - cfg.warmup,
     )

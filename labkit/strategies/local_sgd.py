@@ -23,15 +23,12 @@ from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
 from ..rank.loop import build_model, data_iter, train_loop
-from ..rank.probes import grad_bytes
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     broadcast_parameters(model)
-    data, _ = data_iter(
-        cfg, fns, rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.batch_per_rank
-    )
+    data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
     group = dist.new_group(list(range(ctx.world_size)))
     with warnings.catch_warnings():  # H = 1 warns "use DDP": here it is the equivalence test
         warnings.simplefilter("ignore", UserWarning)
@@ -40,26 +37,14 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         averager = PeriodicModelAverager(
             period=cfg.period, warmup_steps=cfg.period - 1, process_group=group
         )
-    nbytes = grad_bytes(model)  # one copy of every parameter per averaging round
-    state = {"rounds": 0, "averaged": 0}
+    state = {"rounds": 0}
 
     def after_step(i: int) -> dict:
         due = (
             averager.step - averager.warmup_steps
         ) % averager.period == 0 and averager.step >= averager.warmup_steps
         averager.average_parameters(model.parameters())
-        state["averaged"] = int(due)
         state["rounds"] += int(due)
         return {"averaged": int(due), "rounds": state["rounds"], "period": cfg.period}
 
-    return train_loop(
-        cfg,
-        ctx,
-        model,
-        data,
-        strategy="local_sgd",
-        fns=fns,
-        after_step=after_step,
-        comm_bytes=lambda: nbytes * state["averaged"],
-        unwrapped=model,
-    )
+    return train_loop(cfg, ctx, model, data, fns=fns, after_step=after_step)

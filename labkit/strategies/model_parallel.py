@@ -56,14 +56,7 @@ def run_one_process(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     """The single-process split (untested here: this machine has no GPU)."""
     model = build_model(cfg, ctx, fns)
     split_model = SplitModel(model, even_bounds(len(model), cfg.stages), ctx.device)
-    data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.global_batch)
-    return train_loop(
-        cfg,
-        ctx,
-        split_model,
-        data,
-        strategy="model_parallel",
-        fns=fns,
-        unwrapped=model,
-        notes=[f"one process, stages on cuda:0..{cfg.stages - 1}"],
-    )
+    data = data_iter(cfg, fns, rank=0, world_size=1)
+    out = train_loop(cfg, ctx, split_model, data, fns=fns)
+    out["notes"].append(f"one process, stages on cuda:0..{cfg.stages - 1}")
+    return out

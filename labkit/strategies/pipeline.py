@@ -82,7 +82,8 @@ def scratch_schedule(
 
     def recv(like: torch.Tensor, src: int) -> torch.Tensor:
         buf = torch.empty(like.shape, dtype=like.dtype, device=ctx.device)
-        dist.recv(buf, src=src)
+        with log.comm():
+            dist.recv(buf, src=src)
         return buf
 
     def step(x, y) -> StepOut:
@@ -109,8 +110,9 @@ def scratch_schedule(
                 meter.backward_done(m)
                 if not stage.first:
                     sends.append((dist.isend(inp.grad, dst=prev), inp))
-        for work, _ in sends:
-            work.wait()
+        with log.comm():
+            for work, _ in sends:
+                work.wait()
         return StepOut(log, float(sum(losses)) if stage.last else None)
 
     return step

@@ -10,5 +10,5 @@ from ..rank.loop import build_model, data_iter, train_loop
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    data, _ = data_iter(cfg, fns, rank=0, world_size=1, batch_size=cfg.batch_per_rank)
-    return train_loop(cfg, ctx, model, data, strategy="single", fns=fns)
+    data = data_iter(cfg, fns, rank=0, world_size=1)
+    return train_loop(cfg, ctx, model, data, fns=fns)

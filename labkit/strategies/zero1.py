@@ -5,31 +5,32 @@ about 1/N of the parameters (whole tensors, greedily balanced by size). Every ra
 all parameters and, after DDP's all-reduce, all gradients; each updates only its partition and
 then broadcasts it, so every rank ends the step with the same full parameters. Memory per rank
 (ZeRO paper, Rajbhandari et al. 2020): params + grads + optimizer/N instead of params + grads +
-optimizer. Communication per step: DDP's all-reduce of the gradients, plus the broadcast of
-every parameter from the rank that owns it (``comm_bytes`` counts both payloads).
+optimizer. Communication per step: DDP's all-reduce of the gradients, plus one broadcast of
+every partition from the rank that owns it. (The paper's stage 1 reduce-scatters the gradients
+and all-gathers the updated parameters instead: the same volume as DDP's all-reduce.)
 """
 
 from __future__ import annotations
 
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from . import ddp
-
-
-def zero_optimizer(cfg: RunConfig, fns: Factories):
-    """Wrap the run's optimizer (yours or labkit's) in ZeroRedundancyOptimizer: its class and
-    hyper-parameters are read from one instance built the usual way (it holds no state yet)."""
-
-    def make(params):
-        params = list(params)
-        plain = fns.optimizer(cfg, params)
-        return ZeroRedundancyOptimizer(params, optimizer_class=type(plain), **plain.defaults)
-
-    return make
+from ..rank.loop import build_model, data_iter, train_loop
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
-    return ddp.run(cfg, ctx, fns, strategy="zero1", make_optimizer=zero_optimizer(cfg, fns))
+    model = build_model(cfg, ctx, fns)
+    ddp_model = DDP(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+    )
+    plain = fns.optimizer(cfg, model.parameters())  # yours or labkit's: its class and settings
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=type(plain), **plain.defaults
+    )
+    data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
+    return train_loop(cfg, ctx, ddp_model, data, fns=fns, optimizer=optimizer)

@@ -1,5 +1,5 @@
 """The pipeline panel: stages, micro-batches, schedule, implementation and steps, Run/Stop, live
-per-stage progress, then the last step's timeline measured, predicted and by the closed form."""
+per-stage progress, then the last step's timeline measured, replayed and by the closed form."""
 
 from __future__ import annotations
 
@@ -109,10 +109,10 @@ class PipelinePanel(BackgroundRun):
 
     def done_message(self, result: experiment.RunResult) -> str:
         df = result.records
-        predicted = step_bubbles(df, column="bubble_predicted").median()
+        replayed = step_bubbles(df, column="bubble_replay").median()
         return (
-            f"done: {self.plan()}, median bubble measured {self.bubble():.2f}, predicted "
-            f"{predicted:.2f}, closed form {df['bubble_theory'].iloc[0]:.2f}"
+            f"done: {self.plan()}, median bubble measured {self.bubble():.2f}, replayed "
+            f"{replayed:.2f}, closed form {df['bubble_theory'].iloc[0]:.2f}"
         )
 
 
