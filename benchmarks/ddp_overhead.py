@@ -43,13 +43,16 @@ from labkit.data import batches, make_dataset, shard_loader
 from labkit.models import make_model
 from labkit.rank.probes import probe_overhead_s
 from labkit.strategies import run_rank
+from labkit.wire import unwatch
 
 WORLD_SIZE = 2
 GOAL_RATIO = 1.05
 
 
 def raw_ddp_rank(ctx, cfg: RunConfig) -> dict:
-    """The hand-written baseline: DDP as the PyTorch tutorial writes it, timed per step."""
+    """The hand-written baseline: DDP as the PyTorch tutorial writes it, timed per step, on a
+    process group without labkit's byte-counting hooks."""
+    unwatch()
     torch.manual_seed(cfg.seed)
     model = DDP(make_model(cfg).to(ctx.device))
     loader = shard_loader(

@@ -63,6 +63,7 @@ class Traffic:
     timing: bool = False
     spans: list[tuple[str, float, float, int]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _settled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def add(self, op: str, payload: int, sent: float) -> None:
         with self._lock:  # the autograd thread (DDP's reducer) issues collectives too
@@ -74,6 +75,8 @@ class Traffic:
         with self._lock:  # completion callbacks run on the backend's threads
             self.spans.append((op, start, end, payload))
             self.pending = max(0, self.pending - 1)
+            if not self.pending:
+                self._settled.set()
 
     def take(self, settle_s: float = 0.05) -> dict:
         """What happened since the last call, then count afresh: ``comm_calls``,
@@ -83,9 +86,8 @@ class Traffic:
         themselves (``spans``: op, start, end, payload). A collective that completed (DDP
         waits for its buckets before backward returns) may still have its completion callback
         queued on the backend's thread: wait up to ``settle_s`` for those."""
-        deadline = time.perf_counter() + settle_s
-        while self.pending > 0 and time.perf_counter() < deadline:
-            time.sleep(50e-6)  # lets the backend's thread take the GIL and run the callback
+        if self.pending:  # released the moment the last callback runs (no polling)
+            self._settled.wait(settle_s)
         with self._lock:
             spans, self.spans, self.pending = (
                 self.spans,
@@ -168,6 +170,7 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
 
         with _TRAFFIC._lock:
             _TRAFFIC.pending += 1
+            _TRAFFIC._settled.clear()
         future.then(done)
 
     pg.register_pre_hook(HOOK_ID, pre)
@@ -180,3 +183,10 @@ def watch_all() -> None:
     groups = getattr(dist.distributed_c10d._world, "pg_map", None) or {dist.group.WORLD: None}
     for pg in list(groups):
         watch(pg)
+
+
+def unwatch(group: dist.ProcessGroup | None = None) -> None:
+    """Stop counting ``group`` (default: the world): a baseline with nothing labkit adds."""
+    pg = group if group is not None else dist.group.WORLD
+    pg.unregister_pre_hook(HOOK_ID)
+    pg.unregister_post_hook(HOOK_ID)
