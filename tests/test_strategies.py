@@ -192,3 +192,45 @@ def test_a_busy_machine_is_flagged_instead_of_reported_as_speed():
     table = summarize(df)
     assert table["busy"].all(), table[["run", "cpu_share"]]
     assert table["cpu_share"].iloc[0] < BUSY_SHARE
+
+
+def test_phases_hold_the_work_put_in_them_and_steps_match_an_outside_clock(tmp_path):
+    """Known work in forward (20 ms) and backward (30 ms): each phase must hold it, and the
+    probe's step time must match the interval between forwards, read by the model itself."""
+    import time
+
+    import torch
+
+    stamps = str(tmp_path / "forward")
+
+    def model_fn(cfg):  # defined here: travels to the ranks by value, classes and all
+        class SleepInBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, grad):
+                time.sleep(0.030)
+                return grad
+
+        class Work(nn.Module):
+            def forward(self, x):
+                rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
+                with open(f"{stamps}.{rank}", "a") as f:  # a clock the probe never reads
+                    f.write(f"{time.perf_counter()}\n")
+                time.sleep(0.020)
+                return SleepInBackward.apply(x)
+
+        return nn.Sequential(nn.Linear(32, 16), Work(), nn.Linear(16, 10))
+
+    cfg = SMALL.replace(strategy="ddp_naive", steps=6, warmup=1, threads=1)
+    records = experiment.run(cfg, model_fn=model_fn).records
+    assert (records["forward_s"] >= 0.020).all() and (records["backward_s"] >= 0.030).all()
+    assert records["forward_s"].median() < 0.045  # not backward's work too
+    for rank in (0, 1):  # each rank's forwards, warm-up's first (file -1: the caller's dry run)
+        starts = [float(t) for t in open(f"{stamps}.{rank}").read().split()][cfg.warmup :]
+        between = [b - a for a, b in zip(starts, starts[1:])]
+        step = records[records["rank"] == rank].sort_values("step")["step_s"].iloc[: len(between)]
+        gap = sorted(b - s for b, s in zip(between, step))[len(between) // 2]
+        assert 0 <= gap < 0.005, (between, list(step))  # forward to forward = step + a little

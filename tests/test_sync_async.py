@@ -227,6 +227,10 @@ def test_straggler_slows_its_rank_in_the_labs_modes(no_leftover_ranks):
     recs = res.records
     assert recs.groupby("rank")["slowdown"].max().tolist() == [1.0, 3.0]
     assert res.records.loc[recs["rank"] == 0, "variant"].iloc[0] == "H=4, slow 1:3"
+    # the claim itself, read off the clock and not the config: rank 1 computes 3x as long
+    # (a sleep of twice its compute); 2x leaves room for the machine's noise, 1x is no straggler
+    compute = (recs["forward_s"] + recs["backward_s"]).groupby(recs["rank"]).median()
+    assert compute[1] >= 2 * compute[0], compute.to_dict()
 
 
 # ---- to a target loss, on synthetic records --------------------------------------------------
