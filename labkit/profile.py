@@ -99,4 +99,7 @@ def average(profiles: list[Profile]) -> Profile:
             (gap, statistics.fmean(p.after_wait_s[i][1] for p in profiles))
             for i, (gap, _) in enumerate(first.after_wait_s)
         ),
+        # the widest any rank saw: a step waits for its slowest rank
+        (min(p.compute_spread[0] for p in profiles), max(p.compute_spread[1] for p in profiles)),
+        (min(p.comm_spread[0] for p in profiles), max(p.comm_spread[1] for p in profiles)),
     )

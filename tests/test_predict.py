@@ -82,3 +82,35 @@ def test_noisy_costs_predict_the_expected_bubble_not_the_bubble_at_the_means():
     assert expected["bubble"] == pytest.approx((2 / 5 + 3 / 7 + 1 / 3 + 3 / 8) / 4, abs=0.004)
     assert expected["events"] == at_means["events"]  # the Gantt shows the means' schedule
     assert predict_step("gpipe", 2, costs)["bubble"] == predict_step("gpipe", 2, costs)["bubble"]
+
+
+# ---- the step-time predictor's band against real runs -----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["default", "wide"])
+def test_measured_median_step_falls_in_the_predicted_band(size):
+    """The predictor's band (the step at the fast and slow ends of the compute and all-reduce
+    times measured by the profile, taken before the runs) holds each run's measured median step:
+    ddp and ddp_naive at world size 2, at the default MLP and at width 1024."""
+    from labkit import RunConfig, comm, experiment, profile
+    from labkit.predict import collectives, step
+    from labkit.records import summarize
+
+    table, _ = comm.benchmark(2, ["all_reduce"], "1KiB-16MiB", repeats=10)
+    net = collectives.fit_table(table.to_dict("records"), 2)
+    cfg = RunConfig(strategy="ddp", world_size=2, steps=20)
+    if size == "wide":
+        cfg = cfg.replace(steps=8, global_batch=256, width=1024)
+    prof = profile.measure(cfg)
+    report = {}
+    for strategy in ("ddp", "ddp_naive"):
+        t = summarize(experiment.run(cfg.replace(strategy=strategy)).records).iloc[0]
+        p = step.predict(prof, net, strategy, 2, cfg.global_batch, band=True)
+        report[strategy] = (
+            f"measured {t['step_ms']:.2f} ms, band {1e3 * p.step_s_p10:.2f}-"
+            f"{1e3 * p.step_s_p90:.2f} ms (point {1e3 * p.step_s:.2f}), cpu {t['cpu_share']:.2f}"
+        )
+        if t["busy"]:
+            pytest.skip(f"the machine was busy during {strategy}: {report}")
+        assert p.step_s_p10 <= t["step_ms"] / 1e3 <= p.step_s_p90, report

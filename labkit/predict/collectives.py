@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -77,6 +77,16 @@ class CollectiveModel:
 
     def time(self, op: str, nbytes: float, world_size: int) -> float:
         return self.link(op).time(op, nbytes, world_size)
+
+    def scaled(self, factor: float) -> CollectiveModel:
+        """Every op ``factor`` times as slow (latency and bandwidth alike)."""
+        return replace(
+            self,
+            ops={
+                op: AlphaBeta(ab.alpha_s * factor, ab.beta / factor, ab.source)
+                for op, ab in self.ops.items()
+            },
+        )
 
     @classmethod
     def uniform(cls, link: AlphaBeta) -> CollectiveModel:
@@ -171,3 +181,10 @@ def fit_table(rows: Iterable[dict], world_size: int, on: str = "mean_s") -> Coll
     if not fits:
         raise ValueError("no op was measured at two sizes or more: nothing to fit")
     return CollectiveModel(fits, default="all_reduce" if "all_reduce" in fits else next(iter(fits)))
+
+
+def fit_band(rows: Iterable[dict], world_size: int) -> tuple[CollectiveModel, CollectiveModel]:
+    """The collectives fitted on their 10th and on their 90th percentile times (the comm
+    benchmark's ``p10_s``/``p90_s``): the spread the step-time predictor carries into its band."""
+    rows = list(rows)
+    return fit_table(rows, world_size, on="p10_s"), fit_table(rows, world_size, on="p90_s")

@@ -80,6 +80,10 @@ class Profile:
     source: str = "measured"
     comm_shares_core: bool = False  # gloo's thread has no core of its own (see ddp_timeline)
     after_wait_s: tuple[tuple[float, float], ...] = ()  # (idle s before a step, extra s it took)
+    # forward + backward's 10th and 90th percentile over its median, across the profiled steps
+    compute_spread: tuple[float, float] = (1.0, 1.0)
+    # the gradient all-reduce's 10th and 90th percentile block median over its median
+    comm_spread: tuple[float, float] = (1.0, 1.0)
 
     def after_wait(self, gap_s: float) -> float:
         """Extra seconds a step computes for after its rank waited ``gap_s`` idle (cold caches,
@@ -103,6 +107,20 @@ class Profile:
     @property
     def flops_per_sample(self) -> float:
         return sum(3 * layer.flops for layer in self.layers)  # forward + 2x backward
+
+    def scaled(self, factor: float) -> Profile:
+        """The same profile with every layer's compute ``factor`` times as long."""
+        layers = tuple(
+            replace(
+                layer,
+                forward_s=layer.forward_s * factor,
+                backward_s=layer.backward_s * factor,
+                forward_fixed_s=layer.forward_fixed_s * factor,
+                backward_fixed_s=layer.backward_fixed_s * factor,
+            )
+            for layer in self.layers
+        )
+        return replace(self, layers=layers)
 
     def at_batch(self, batch: float) -> Profile:
         """The same model at another per-rank batch: each layer's time on its line."""
@@ -172,6 +190,9 @@ class StepPrediction:
     buckets: list[dict] = field(default_factory=list)
     bubble: float | None = None  # pipelines: mean idle share of the stages
     after_wait_s: float = 0.0  # compute slowed by waiting (Profile.after_wait)
+    # the band: the step predicted with the collectives' 10th and 90th percentile times
+    step_s_p10: float | None = None
+    step_s_p90: float | None = None
 
     @property
     def hidden_s(self) -> float:
@@ -312,9 +333,47 @@ def predict(
     compression: float = 1.0,
     microbatches: int = 4,
     bounds: Sequence[int] | None = None,
+    band: bool = False,
+    spread: tuple[CollectiveModel, CollectiveModel] | None = None,
 ) -> StepPrediction:
     """Predicted step of ``strategy`` on ``world_size`` ranks at ``global_batch`` samples per
-    optimizer step (summed over ranks and accumulation micro-steps)."""
+    optimizer step (summed over ranks and accumulation micro-steps).
+
+    ``band``: predict the step twice more, at the fast and at the slow end of what was
+    measured, to give the band ``step_s_p10``..``step_s_p90`` the measured median step should
+    fall in (a point prediction cannot hold on a machine whose all-reduce time moves by several
+    x from one moment to the next): compute scaled to the profile's 10th and 90th percentile
+    (``Profile.compute_spread``), collectives to the profile's measured all-reduce spread
+    (``Profile.comm_spread``), or to ``spread``, the network fitted on the comm benchmark's
+    10th and 90th percentile times (``labkit.predict.collectives.fit_band``)."""
+    knobs = dict(bucket_cap_mb=bucket_cap_mb, accumulate=accumulate, no_sync=no_sync,
+                 compression=compression, microbatches=microbatches, bounds=bounds)  # fmt: skip
+    pred = _predict(profile, network, strategy, world_size, global_batch, **knobs)
+    if band or spread is not None:  # the fast end with fast compute, the slow with the slow
+        spread = spread or tuple(network.scaled(f) for f in profile.comm_spread)
+        ends = [
+            _predict(profile.scaled(f), n, strategy, world_size, global_batch, **knobs).step_s
+            for f, n in zip(profile.compute_spread, spread)
+        ]
+        pred.step_s_p10 = min(pred.step_s, *ends)
+        pred.step_s_p90 = max(pred.step_s, *ends)
+    return pred
+
+
+def _predict(
+    profile: Profile,
+    network: CollectiveModel,
+    strategy: str,
+    world_size: int,
+    global_batch: int,
+    *,
+    bucket_cap_mb: float | None,
+    accumulate: int,
+    no_sync: bool,
+    compression: float,
+    microbatches: int,
+    bounds: Sequence[int] | None,
+) -> StepPrediction:
     if world_size < 1 or global_batch < 1 or accumulate < 1:
         raise ValueError("world_size, global_batch and accumulate must be at least 1")
     if registry.get(strategy).kind == "pipeline":

@@ -12,6 +12,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import RunConfig
@@ -44,7 +45,8 @@ def profile_rank(
         return next(data)
 
     x, y = (t.to(ctx.device) for t in next_batch())
-    phases = step_phases(model, loss_fn, optimizer, next_batch, ctx.device, repeats)
+    spread: list[float] = []
+    phases = step_phases(model, loss_fn, optimizer, next_batch, ctx.device, repeats, spread=spread)
     warm = sum(phases.values())
     after_wait = tuple(
         (
@@ -93,6 +95,9 @@ def profile_rank(
     ddp_overhead = (
         ddp_overhead_s(model, loss_fn, x, y, ctx, phases, repeats) if ctx.distributed else 0.0
     )
+    comm_spread = (
+        all_reduce_spread(model, loss_fn, next_batch, ctx) if ctx.distributed else (1.0, 1.0)
+    )
     return Profile(
         batch,
         tuple(layers),
@@ -103,6 +108,8 @@ def profile_rank(
         device=str(ctx.device),
         comm_shares_core=shares_core(ctx),
         after_wait_s=after_wait,
+        compute_spread=tuple(spread),
+        comm_spread=comm_spread,
         source=f"measured on {ctx.world_size} concurrent rank(s), "
         f"{torch.get_num_threads()} thread(s) each",
     )
@@ -116,10 +123,19 @@ def shares_core(ctx: RankContext) -> bool:
 
 
 def step_phases(
-    model, loss_fn, optimizer, next_batch, device, repeats: int, gap_s: float = 0.0
+    model,
+    loss_fn,
+    optimizer,
+    next_batch,
+    device,
+    repeats: int,
+    gap_s: float = 0.0,
+    spread: list | None = None,
 ) -> dict:
     """Median seconds of each phase of a plain training step, timed as the training loop does;
-    with ``gap_s``, each step after sleeping that long (as after waiting for a peer)."""
+    with ``gap_s``, each step after sleeping that long (as after waiting for a peer). Given a
+    list ``spread``, the 10th and 90th percentiles of forward + backward over their median are
+    appended to it."""
     names = ("data", "forward", "backward", "optimizer")
     samples = {k: [] for k in names}
     for r in range(repeats + 2):
@@ -143,7 +159,39 @@ def step_phases(
         if r >= 2:
             for k, t0, t1 in zip(names, marks, marks[1:]):
                 samples[k].append(t1 - t0)
+    if spread is not None:  # forward + backward's 10th and 90th percentiles over its median
+        compute = [f + b for f, b in zip(samples["forward"], samples["backward"])]
+        q = statistics.quantiles(compute, n=10) if len(compute) >= 2 else [compute[0]] * 9
+        mid = statistics.median(compute)
+        spread.extend((q[0] / mid, q[-1] / mid) if mid > 0 else (1.0, 1.0))
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def all_reduce_spread(
+    model, loss_fn, next_batch, ctx: RankContext, blocks: int = 8, calls: int = 6
+) -> tuple[float, float]:
+    """How much the gradient all-reduce's time moves on this machine: a step's forward and
+    backward, then one all-reduce of every gradient (DDP's single bucket), ``calls`` times per
+    block; the 10th and 90th percentile of the blocks' medians over their median. Blocks, not
+    calls: a run's median step moves with the all-reduce's slow drift (block medians moved
+    0.6-4.6 ms within one launch here, ``benchmarks/comm_drift.py``), not with one call's noise."""
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=ctx.device)
+    medians = []
+    for b in range(blocks + 1):
+        times = []
+        for _ in range(calls):
+            x, y = (t.to(ctx.device) for t in next_batch())
+            loss_fn(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            sync(ctx.device)
+            t0 = time.perf_counter()
+            dist.all_reduce(flat)
+            sync(ctx.device)
+            times.append(time.perf_counter() - t0)
+        if b:  # the first block warms connections and buffers
+            medians.append(statistics.median(times))
+    q, mid = statistics.quantiles(medians, n=10), statistics.median(medians)
+    return (q[0] / mid, q[-1] / mid) if mid > 0 else (1.0, 1.0)
 
 
 def ddp_overhead_s(model, loss_fn, x, y, ctx: RankContext, phases: dict, repeats: int) -> float:
