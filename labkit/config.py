@@ -194,12 +194,11 @@ class RunConfig:
         if (self.skew > 0 or self.rebalance != "static") and "skew" not in knobs:
             self._refuse(
                 "skew",
-                "skew and rebalance balance the load at an explicit "
-                "synchronisation after backward, where labkit times each rank's wait "
-                "for the slowest one (DDP hides that wait inside its overlapped "
-                "backward)",
-                "set strategy='ddp_naive', or skew=0 and rebalance='static' (a straggler "
-                f"alone (slowdown) also works on {', '.join(registry.names(knob='slowdown'))})",
+                "skew and rebalance share each step's global batch among data-parallel "
+                "ranks by their speed",
+                "set strategy='ddp' or 'ddp_naive', or skew=0 and rebalance='static' (a "
+                f"straggler alone (slowdown) also works on "
+                f"{', '.join(registry.names(knob='slowdown'))})",
             )
         if self.slowdown and "slowdown" not in knobs:
             self._refuse(
@@ -251,6 +250,12 @@ class RunConfig:
     def _check_balancing(self) -> None:
         if not self.balancing:
             return
+        if self.rebalance == "join" and self.strategy != "ddp_naive":
+            raise ValueError(
+                f"rebalance='join' trains uneven inputs under a hand-written Joinable, which "
+                f"ddp_naive has (DDP's own join() is shown by labkit.uneven.uneven_inputs): set "
+                f"strategy='ddp_naive' (got {self.strategy!r}) or rebalance='static'/'dynamic'"
+            )
         if self.accumulate != 1:
             raise ValueError(
                 f"load balancing changes each rank's share of every step: set "

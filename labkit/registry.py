@@ -35,7 +35,7 @@ LOOP = frozenset({"precision", "activation_checkpointing", "checkpoint_dir", "ch
 ACCUMULATE = frozenset({"accumulate", "sync_every_microstep"})
 # a straggler alone (slowdown): the sync vs async lab's modes, timed against each other
 STRAGGLER = frozenset({"slowdown"})
-# stragglers, data skew and shares that follow them: at ddp_naive's explicit sync point
+# stragglers, data skew and shares that follow them (labkit.rank.balancer)
 BALANCING = frozenset({"slowdown", "skew", "rebalance", "rebalance_every"})
 PIPELINE = frozenset({"stages", "microbatches", "pipeline_impl", "balance_stages"})
 
@@ -72,7 +72,7 @@ STRATEGIES: dict[str, Strategy] = {
                  colour="#72b7b2",
                  summary="nn.DataParallel: one process, the batch split over its devices"),
         Strategy("ddp", "ddp", "data_parallel",
-                 knobs=LOOP | ACCUMULATE | STRAGGLER
+                 knobs=LOOP | ACCUMULATE | BALANCING
                  | {"bucket_cap_mb", "comm_hook", "powersgd_rank", "sync_batchnorm"},
                  colour="#4c78a8", summary="DistributedDataParallel: overlapped bucket all-reduce"),
         Strategy("ddp_naive", "ddp_naive", "data_parallel",

@@ -174,8 +174,8 @@ def test_worker_without_torchrun_says_how_to_start_it():
         (["check", "--strategies", "ddp,foo"], ["unknown strategy 'foo'"]),
         (["check", "--tol", "0"], ["--tol must be positive"]),
         (
-            ["compare", "--strategies", "ddp", "--world-sizes", "2", "--skew", "0.5"],
-            ["skew and rebalance", "a knob of ddp_naive, not of ddp", "set strategy='ddp_naive'"],
+            ["compare", "--strategies", "local_sgd", "--world-sizes", "2", "--skew", "0.5"],
+            ["skew and rebalance", "not of local_sgd", "set strategy='ddp' or 'ddp_naive'"],
         ),
         (
             ["compare", "--strategies", "ddp_naive", "--world-sizes", "2", "--slowdown", "2:2"],

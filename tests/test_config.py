@@ -31,8 +31,12 @@ INVALID = [
         ["it is a knob of ddp, not of ddp_naive", "set comm_hook='none'"],
     ),
     (
-        {"strategy": "ddp", "skew": 0.5},
-        ["a knob of ddp_naive, not of ddp", "set strategy='ddp_naive'"],
+        {"strategy": "local_sgd", "skew": 0.5},
+        ["a knob of ddp, ddp_naive, not of local_sgd", "set strategy='ddp' or 'ddp_naive'"],
+    ),
+    (
+        {"strategy": "ddp", "rebalance": "join"},
+        ["a hand-written Joinable", "strategy='ddp_naive'"],
     ),
     (
         {"strategy": "pipeline_gpipe", "precision": "bf16"},

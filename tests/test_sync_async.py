@@ -47,7 +47,7 @@ def max_diff(a: dict, b: dict) -> float:
         (dict(strategy="async_ps", world_size=1), "set world_size to 2 or more"),
         (dict(strategy="async_ps", world_size=3, slowdown="0:2"), "slow down a worker instead"),
         (dict(strategy="hogwild", accumulate=2, global_batch=32), "accumulate=1"),
-        (dict(strategy="local_sgd", skew=0.5), "set strategy='ddp_naive'"),
+        (dict(strategy="local_sgd", skew=0.5), "set strategy='ddp' or 'ddp_naive'"),
         (dict(strategy="async_ps", world_size=3, global_batch=33), "divisible by 2 workers"),
     ],
 )
@@ -359,7 +359,7 @@ def test_cli_compare_takes_the_labs_flags_and_prints_the_to_target_table(tmp_pat
     [
         (["--strategies", "local_sgd", "--period", "0"], "--period: period must be at least 1"),
         (["--strategies", "diloco", "--outer-lr", "-1"], "--outer-lr: outer_lr must be positive"),
-        (["--strategies", "ddp", "--skew", "0.5"], "a straggler alone (slowdown) also works"),
+        (["--strategies", "local_sgd", "--skew", "0.5"], "a straggler alone (slowdown) also works"),
     ],
 )
 def test_cli_bad_lab_flags_exit_2_naming_the_flag(args, message, capsys):

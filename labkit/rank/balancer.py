@@ -72,6 +72,9 @@ class Balancer:
     dataset: object
     model: nn.Module
     joinable: JoinableSync | None = None  # rebalance="join": the sync, joinable
+    # DDP: gradients are synchronised inside backward, so there is no arrival point to time;
+    # each rank keeps its own (compute, samples) and the ranks pool them when shares move
+    overlapped: bool = False
     shares: list[int] = field(default_factory=list)
     samples: int = 0  # this rank's samples in the current step
     window: list[list[tuple[float, float]]] = field(default_factory=list)  # per step, per rank
@@ -82,6 +85,7 @@ class Balancer:
         self.shares = split(cfg.global_batch, self.weights)
         self._order = _global_batches(self.dataset, cfg.global_batch, cfg.seed)
         self._t0 = 0.0
+        self.own: list[tuple[float, float]] = []  # overlapped: this rank's (compute, samples)
 
     # -- data
     @property
@@ -114,9 +118,19 @@ class Balancer:
     def begin(self) -> None:
         self._t0 = time.perf_counter()
 
-    def slow_down(self, step: int, since: float) -> float:
-        """Sleep (factor - 1) x the compute since ``since``; return the factor."""
-        return straggle(self.cfg.slowdown, self.rank, step, since)
+    def slow_down(self, step: int, since: float, to_come: float = 0.0) -> float:
+        """Sleep (factor - 1) x the compute since ``since`` (plus ``to_come`` seconds of compute
+        this step will still do: DDP's backward, whose gradients leave during it, so the sleep
+        must come before); return the factor."""
+        factor = slowdown_at(self.cfg.slowdown, self.rank, step)
+        if factor > 1:
+            time.sleep((factor - 1) * (time.perf_counter() - since + to_come))
+        return factor
+
+    def record(self, compute_s: float, samples: int) -> None:
+        """Overlapped (DDP): this step's own compute seconds and samples, for the next share
+        update (the step's wait for the others is inside backward's all-reduce)."""
+        self.own.append((compute_s, float(samples)))
 
     def arrive(self, samples: int) -> float:
         """All-gather (compute seconds, samples) of every rank; return the seconds this rank
@@ -156,12 +170,28 @@ class Balancer:
         dynamic = self.cfg.rebalance == "dynamic"
         if step < 0:
             if dynamic and step == -1 and self.cfg.warmup >= 2:
-                self._rebalance(self.window[-1:])
+                self._rebalance(self._pooled(1))
             self.window.clear()
+            self.own.clear()
             return
         if dynamic and (step + 1) % self.cfg.rebalance_every == 0:
-            del self.window[: -2 * self.cfg.rebalance_every]
-            self._rebalance(self.window)
+            self._rebalance(self._pooled(2 * self.cfg.rebalance_every))
+
+    def _pooled(self, steps: int) -> list[list[tuple[float, float]]]:
+        """Every rank's (compute, samples) over the last ``steps`` steps: gathered at each
+        arrival (ddp_naive), or now in one all-gather of each rank's own sums (DDP)."""
+        if not self.overlapped:
+            del self.window[:-steps]
+            return self.window
+        del self.own[:-steps]
+        mine = torch.tensor(
+            [sum(c for c, _ in self.own), sum(n for _, n in self.own)],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        return [[tuple(e.tolist()) for e in every]]
 
     def _rebalance(self, window) -> None:
         rates = [

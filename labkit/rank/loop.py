@@ -135,12 +135,17 @@ def train_loop(
         precision=cfg.precision,
         checkpoint=cfg.activation_checkpointing,
     )
+    overlapped = hasattr(model, "no_sync")  # DDP: gradients leave during backward
     bal = None
-    if cfg.balancing and "rebalance" in registry.get(cfg.strategy).knobs:  # ddp_naive
-        bal = Balancer(cfg, ctx.rank, ctx.world_size, ctx.device, data.loader.dataset, model)
+    if cfg.balancing and "rebalance" in registry.get(cfg.strategy).knobs:  # ddp_naive, ddp
+        bal = Balancer(
+            cfg, ctx.rank, ctx.world_size, ctx.device, data.loader.dataset, model,
+            overlapped=overlapped,
+        )  # fmt: skip
         if cfg.rebalance == "join":
             bal.joinable = JoinableSync(model, ctx.device)
-        sync_grads = bal.sync  # at the arrival point, weighted by shares
+        if not overlapped:  # ddp_naive: at the arrival point, weighted by shares
+            sync_grads = bal.sync
     k = cfg.accumulate
     total = cfg.warmup + (steps or cfg.steps)
     total = total if bal is None else bal.steps(total)
@@ -160,7 +165,7 @@ def train_loop(
         for i in range(start, total):
             if until is not None and i >= cfg.warmup and until():
                 break
-            if i == max(cfg.warmup, start) and hasattr(model, "no_sync"):
+            if i == max(cfg.warmup, start) and overlapped:
                 with amp.autocast():  # DDP: backward alone, on a side batch (order untouched)
                     comm_baseline_s = k * backward_time_without_comm(
                         model, loss_fn, next(iter(data.loader)), ctx.device
@@ -179,23 +184,26 @@ def train_loop(
                 probe.mark("data")
                 t_compute = time.perf_counter()
                 c_compute = cpu() if cpu is not None else 0.0
-                no_sync = sync_now or not hasattr(model, "no_sync")
+                no_sync = sync_now or not overlapped
                 with nullcontext() if no_sync else model.no_sync():
                     with meter.forward(x, y), amp.autocast():
                         loss = loss_fn(model(x), y)
+                    if bal is not None and overlapped:  # a slower device, before DDP's
+                        backward = comm_baseline_s / k if comm_baseline_s else 0.0  # buckets go
+                        extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute, backward)
                     probe.mark("forward")
                     scaled = loss / k if k > 1 else loss
                     if bal is not None and bal.slices:  # weighted by this rank's share
                         scaled = scaled * bal.loss_scale
                     amp.backward(scaled)
-                    if bal is not None:  # a slower device: sleep, leave the core to others
-                        extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)
+                    if bal is not None and not overlapped:  # a slower device: sleep, leave
+                        extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute)  # the core
                     elif cpu is not None:  # CPU time: DDP's backward also waits in all-reduces
                         extra["slowdown"] = straggle(
                             cfg.slowdown, ctx.rank, i - cfg.warmup, c_compute, clock=cpu
                         )
                     probe.mark("backward")
-                if bal is not None and sync_now:
+                if bal is not None and sync_now and not overlapped:
                     bal.arrive(samples + len(x))
                     probe.mark("wait")
                 if sync_grads is not None and sync_now:
@@ -227,6 +235,8 @@ def train_loop(
             )
             rec.update(meter.columns())
             if bal is not None:
+                if overlapped:
+                    bal.record(rec["forward_s"] + rec["backward_s"], samples)
                 bal.end_step(i - cfg.warmup)
             if cfg.pace_s:  # a slower model's pace, outside the measured step
                 time.sleep(max(0.0, cfg.pace_s - (time.perf_counter() - rec["start_s"])))
