@@ -149,7 +149,7 @@ def train_loop(
     k = cfg.accumulate
     total = cfg.warmup + (steps or cfg.steps)
     total = total if bal is None else bal.steps(total)
-    comm_baseline_s, records = None, []
+    backward_per_sample, records = None, []
     progress = Progress(ctx, total - cfg.warmup)  # measured steps only
     notes: list[str] = []
     resume = None
@@ -165,11 +165,13 @@ def train_loop(
         for i in range(start, total):
             if until is not None and i >= cfg.warmup and until():
                 break
-            if i == max(cfg.warmup, start) and overlapped:
-                with amp.autocast():  # DDP: backward alone, on a side batch (order untouched)
-                    comm_baseline_s = k * backward_time_without_comm(
-                        model, loss_fn, next(iter(data.loader)), ctx.device
-                    )
+            # (balancing: before warm-up, whose last step sets the first shares)
+            if i == (start if bal is not None else max(cfg.warmup, start)) and overlapped:
+                side = next(iter(data.loader))  # DDP: backward alone, on a side batch (the
+                with amp.autocast():  # training order untouched), per sample: shares vary
+                    backward_per_sample = backward_time_without_comm(
+                        model, loss_fn, side, ctx.device
+                    ) / len(side[0])
             wire.take()  # what came before this step (warm-up, calibration) is not its own
             probe.start()
             meter.begin(i)
@@ -189,7 +191,7 @@ def train_loop(
                     with meter.forward(x, y), amp.autocast():
                         loss = loss_fn(model(x), y)
                     if bal is not None and overlapped:  # a slower device, before DDP's
-                        backward = comm_baseline_s / k if comm_baseline_s else 0.0  # buckets go
+                        backward = (backward_per_sample or 0.0) * len(x)  # buckets leave
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute, backward)
                     probe.mark("forward")
                     scaled = loss / k if k > 1 else loss
@@ -229,7 +231,9 @@ def train_loop(
                 i - cfg.warmup,
                 shard_loss,
                 samples,
-                comm_baseline_s=comm_baseline_s,
+                comm_baseline_s=None
+                if backward_per_sample is None
+                else backward_per_sample * samples,
                 traffic=sent,
                 **extra,
             )
