@@ -87,6 +87,8 @@ class RunConfig:
     checkpoint_dir: str | None = knob(None, "resume from the checkpoint in this folder, and "
                                       "write one there")  # fmt: skip
     checkpoint_every: int = knob(0, "optimizer steps between checkpoints (0: after the last)")
+    profile_dir: str | None = knob(None, "write one torch.profiler trace per rank here "
+                                   "(measured steps; labkit's phases as ranges)")  # fmt: skip
     pace_s: float = knob(0.0, "seconds each step lasts at least (sleeps the rest, outside the "
                          "measured step): a bigger model's pace, for demos")  # fmt: skip
 
@@ -205,6 +207,12 @@ class RunConfig:
                 "slowdown",
                 "slowdown makes one rank a straggler among ranks that compute the same work",
                 "drop slowdown",
+            )
+        if self.profile_dir is not None and "profile_dir" not in knobs:
+            self._refuse(
+                "profile_dir",
+                "profile_dir runs the shared training loop under torch.profiler",
+                "set profile_dir=None",
             )
         if self.checkpoint_dir is not None and "checkpoint_dir" not in knobs:
             self._refuse(

@@ -75,7 +75,17 @@ def finalize(records: list[dict]) -> pd.DataFrame:
         df.loc[alone, "comm_total_s"] = 0.0
     if "events" in df:
         _pipeline_columns(df)
-    df["start_s"] = df["start_s"] - df["start_s"].min()
+    origin = df["start_s"].min()  # one clock for every rank: the shared perf_counter
+    df["start_s"] = df["start_s"] - origin
+    if "checkpoint_start_s" in df:
+        df["checkpoint_start_s"] = df["checkpoint_start_s"] - origin
+    if "comm_spans" in df:  # each collective in flight: (op, start, end, payload bytes)
+        df["comm_spans"] = [
+            [[op, a - origin, b - origin, n] for op, a, b, n in spans]
+            if isinstance(spans, list)
+            else []
+            for spans in df["comm_spans"]
+        ]
     return df
 
 

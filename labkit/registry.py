@@ -30,7 +30,9 @@ KINDS = (
 )
 
 # knobs of the shared training loop (labkit.rank.loop): every strategy that runs it takes them
-LOOP = frozenset({"precision", "activation_checkpointing", "checkpoint_dir", "checkpoint_every"})
+LOOP = frozenset(
+    {"precision", "activation_checkpointing", "checkpoint_dir", "checkpoint_every", "profile_dir"}
+)
 # several micro-batches per optimizer step: the loops whose step is one global batch
 ACCUMULATE = frozenset({"accumulate", "sync_every_microstep"})
 # a straggler alone (slowdown): the sync vs async lab's modes, timed against each other

@@ -29,6 +29,7 @@ from .join import JoinableSync, join_context
 from .memory_meter import MemoryMeter
 from .precision import Amp
 from .probes import StepProbe, cpu_seconds, sync
+from .profiler import RankProfiler
 from .resume import Resume
 
 
@@ -160,6 +161,8 @@ def train_loop(
     cpu = (lambda: cpu_seconds(probe.threads)) if bal is None and cfg.slowdown else None
     wire = traffic()
     wire.timing = True  # every collective's interval in flight: hidden vs exposed comm
+    prof = RankProfiler(cfg, ctx.rank, ctx.device, total - max(cfg.warmup, start))
+    probe.ranges = prof.on
     watch_all()  # the groups the strategy made (DDP's, a mesh's, an averager's)
     with join_context(None if bal is None else bal.joinable):
         for i in range(start, total):
@@ -173,6 +176,8 @@ def train_loop(
                         model, loss_fn, side, ctx.device
                     ) / len(side[0])
             wire.take()  # what came before this step (warm-up, calibration) is not its own
+            if i == max(cfg.warmup, start):
+                prof.start()
             probe.start()
             meter.begin(i)
             extra, losses, samples = {}, [], 0
@@ -181,6 +186,7 @@ def train_loop(
                 extra = {"slowdown": 1.0}
             for j in range(k):
                 sync_now = j == k - 1 or cfg.sync_every_microstep
+                probe.begin("data")
                 x, y = bal.batch() if bal is not None and bal.slices else next(data)
                 x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
                 probe.mark("data")
@@ -188,12 +194,14 @@ def train_loop(
                 c_compute = cpu() if cpu is not None else 0.0
                 no_sync = sync_now or not overlapped
                 with nullcontext() if no_sync else model.no_sync():
+                    probe.begin("forward")
                     with meter.forward(x, y), amp.autocast():
                         loss = loss_fn(model(x), y)
                     if bal is not None and overlapped:  # a slower device, before DDP's
                         backward = (backward_per_sample or 0.0) * len(x)  # buckets leave
                         extra["slowdown"] = bal.slow_down(i - cfg.warmup, t_compute, backward)
                     probe.mark("forward")
+                    probe.begin("backward")
                     scaled = loss / k if k > 1 else loss
                     if bal is not None and bal.slices:  # weighted by this rank's share
                         scaled = scaled * bal.loss_scale
@@ -206,19 +214,24 @@ def train_loop(
                         )
                     probe.mark("backward")
                 if bal is not None and sync_now and not overlapped:
+                    probe.begin("wait")
                     bal.arrive(samples + len(x))
                     probe.mark("wait")
+                probe.begin("comm")
                 if sync_grads is not None and sync_now:
                     sync_grads()
                 probe.mark("comm")
                 losses.append((loss.detach(), len(x)))
                 samples += len(x)
             meter.grads()
+            probe.begin("optimizer")
             extra.update(amp.step(optimizer))
             if after_step is not None:  # before zero_grad: torch's averager skips grad-less
                 probe.mark("optimizer")  # parameters
+                probe.begin("comm")
                 extra.update(after_step(i))
                 probe.mark("comm")
+                probe.begin("optimizer")
             optimizer.zero_grad(set_to_none=True)
             probe.mark("optimizer")
             meter.step()  # counted outside the timed phases
@@ -238,6 +251,7 @@ def train_loop(
                 **extra,
             )
             rec.update(meter.columns())
+            rec["comm_spans"] = [list(span) for span in sent["spans"]]  # for traces
             if bal is not None:
                 if overlapped:
                     bal.record(rec["forward_s"] + rec["backward_s"], samples)
@@ -246,10 +260,17 @@ def train_loop(
                 time.sleep(max(0.0, cfg.pace_s - (time.perf_counter() - rec["start_s"])))
             if resume is not None:
                 rec["attempt"] = resume.attempt
+                t_save = time.perf_counter()
                 resume.after_step(i + 1, total, rec["shard_loss"], samples, rec["step_s"])
+                every = cfg.checkpoint_every
+                if (every and (i + 1) % every == 0) or i + 1 == total:  # a checkpoint was due
+                    rec["checkpoint_start_s"] = t_save
+                    rec["checkpoint_s"] = time.perf_counter() - t_save
             if i >= cfg.warmup:
                 records.append(rec)
                 progress(i + 1 - cfg.warmup, rec["shard_loss"], samples)
+                prof.step()
+    prof.stop()
     wire.timing = False
     return {"records": records, "notes": notes, "params": final_state(cfg, plain)}
 

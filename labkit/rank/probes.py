@@ -29,6 +29,7 @@ import sys
 import time
 
 import torch
+from torch.autograd.profiler import record_function
 
 PHASES = ("data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer", "other")
 TIME_COLUMNS = tuple(f"{p}_s" for p in PHASES) + ("step_s",)
@@ -49,6 +50,14 @@ class StepProbe:
         self.sched = RunQueueClock(all_threads=self.threads > 1)
         self._sched0: tuple[float, float] | None = None  # at the start of a compute window
         self._ran = self._waited = 0.0
+        self.ranges = False  # name each phase in torch.profiler's trace (labkit.rank.profiler)
+        self._range = None
+
+    def begin(self, phase: str) -> None:
+        """Under torch.profiler (``ranges``), open ``phase``'s range; ``mark`` closes it."""
+        if self.ranges:
+            self._range = record_function(phase)
+            self._range.__enter__()
 
     def _now(self):
         if self.cuda:
@@ -64,6 +73,9 @@ class StepProbe:
 
     def mark(self, phase: str) -> None:
         self._marks.append((phase, self._now()))
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
         if phase in ("data", "backward"):  # forward + backward: the compute a rank owns
             if not self.sched.available:  # the fallback's clock (a syscall, ~30 us in a VM)
                 self._cpu[phase] = cpu_seconds(self.threads)

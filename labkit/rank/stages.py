@@ -284,6 +284,7 @@ def train_stages(
                 activations_peak=meter.peak_count,
                 activation_bytes_peak=meter.peak_bytes,
                 events=events,
+                comm_spans=[list(span) for span in sent["spans"]],
             )
         )
         notes.extend(n for n in out.notes if n not in notes)
