@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 
-.PHONY: install demo test lint test-py test-nb test-browser chromium lab bench clean
+.PHONY: install demo test lint test-py test-nb test-browser chromium lab docs bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,9 @@ chromium:               ## Debian's Chromium (Playwright cannot download its own
 		echo "no Chromium: the browser test will be skipped; install it: sudo apt-get install -y chromium"; \
 	fi
 
+docs: $(STAMP)          ## the course as a static site in site/ (every notebook executed, ~15 min)
+	$(BIN)/python docs/build.py --out site
+
 lab: $(STAMP)           ## JupyterLab on notebooks/, with a "labkit" kernel for this venv
 	$(BIN)/python -m ipykernel install --user --name labkit --display-name "labkit (.venv)"
 	$(BIN)/jupyter lab notebooks
@@ -62,4 +65,4 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/sched_speed.py
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out site .pytest_cache
