@@ -174,7 +174,7 @@ class RunConfig:
                 "set comm_hook='none'",
             )
         if self.accumulate != 1 and "accumulate" not in knobs:
-            if registry.get(self.strategy).kind == "pipeline":
+            if self.strategy in registry.STAGED:
                 raise ValueError(
                     f"{self.strategy} already splits each step into micro-batches: set "
                     f"microbatches instead of accumulate (got accumulate={self.accumulate})"
@@ -222,16 +222,24 @@ class RunConfig:
             )
 
     def _check_batch(self) -> None:
-        if registry.get(self.strategy).kind == "pipeline":
-            if self.world_size != self.stages:
+        if self.strategy in registry.STAGED:
+            if registry.get(self.strategy).kind == "pipeline" and self.world_size != self.stages:
                 raise ValueError(
                     f"{self.strategy} puts one stage on each rank: set world_size == stages "
                     f"(got world_size={self.world_size}, stages={self.stages})"
                 )
-            if self.global_batch % self.microbatches:
+            if self.world_size % self.stages:
+                raise ValueError(
+                    f"{self.strategy} runs world_size / stages copies of a {self.stages}-stage "
+                    f"pipeline: world size {self.world_size} is not a multiple of "
+                    f"{self.stages}: set world_size to a multiple of stages"
+                )
+            per = self.microbatches * self.pipelines
+            if self.global_batch % per:
                 raise ValueError(
                     f"global batch {self.global_batch} is not divisible by {self.microbatches} "
-                    f"micro-batches: pick a batch that is a multiple of microbatches"
+                    f"micro-batches x {self.pipelines} pipeline(s): pick a batch that is a "
+                    f"multiple of {per}"
                 )
             if self.stages > self.depth + 1:
                 raise ValueError(
@@ -349,9 +357,16 @@ class RunConfig:
     def batch_per_rank(self) -> int:
         """Samples in one forward: a rank's micro-batch (data parallel, ``accumulate`` of them
         per step) or one pipeline micro-batch."""
-        if registry.get(self.strategy).kind == "pipeline":
-            return self.global_batch // self.microbatches
+        if self.strategy in registry.STAGED:
+            return self.global_batch // (self.microbatches * self.pipelines)
         return self.global_batch // (self.data_ranks * self.accumulate)
+
+    @property
+    def pipelines(self) -> int:
+        """Copies of the pipeline (``dp_pp``: world_size / stages), 1 for the others."""
+        return (
+            self.world_size // self.stages if registry.get(self.strategy).kind == "composed" else 1
+        )
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)

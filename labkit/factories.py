@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from .config import RunConfig
 from .data import make_dataset
 from .models import checkpoint_blocks, make_model
-from .registry import PIPELINES
+from .registry import STAGED
 
 
 def default_loss(cfg: RunConfig) -> nn.Module:
@@ -48,7 +48,7 @@ class Factories:
     def model(self, cfg: RunConfig) -> nn.Module:
         torch.manual_seed(cfg.seed)
         model = self.model_fn(cfg) if self.model_fn is not None else make_model(cfg)
-        if cfg.strategy in PIPELINES and isinstance(model, (list, tuple, nn.ModuleList)):
+        if cfg.strategy in STAGED and isinstance(model, (list, tuple, nn.ModuleList)):
             model = nn.Sequential(*model)  # a list of stage modules is a pipeline too
         return model
 
@@ -91,7 +91,7 @@ def validate(cfg: RunConfig, fns: Factories) -> None:
             f"model_fn returned a {type(model).__name__}, not an nn.Module: return "
             f"the model itself, e.g. model_fn=lambda cfg: MyModel()"
         )
-    if cfg.strategy in PIPELINES:
+    if cfg.strategy in STAGED:
         _check_cuttable(cfg, model)
     if cfg.activation_checkpointing:  # activation checkpointing cuts between blocks: say so here
         checkpoint_blocks(model)

@@ -93,7 +93,9 @@ def _pipeline_columns(df: pd.DataFrame) -> None:
     """Per step: every stage's events on one origin; the bubble measured, and replayed by
     simulating the schedule on that step's own measured costs (``labkit.predict.schedule``)."""
     schedule, M = df["schedule"].iloc[0], int(df["microbatches"].iloc[0])
-    P = int(df["world_size"].iloc[0])
+    P = int(df["stages"].iloc[0]) if "stages" in df else int(df["world_size"].iloc[0])
+    if "replica" not in df:  # records saved before replicas existed: one pipeline
+        df["replica"] = 0
     steps = []
     for col in (
         "span_s",
@@ -104,7 +106,7 @@ def _pipeline_columns(df: pd.DataFrame) -> None:
         "dispatch_gap_s",
     ):
         df[col] = math.nan
-    for _, g in df.groupby("step"):
+    for _, g in df.groupby(["step", "replica"]):  # each pipeline of each step on its own
         origin = g["start_s"].min()
         for i in g.index:
             df.at[i, "events"] = [

@@ -11,6 +11,7 @@ Kinds:
   the global batch, gradients synchronised every step;
 * ``pipeline``: the model cut into stages, one per rank, micro-batches flowing through them;
 * ``tensor_parallel``: every layer split across ranks, which all see the same batch;
+* ``composed``: two of the above on a 2-D device mesh (data x pipeline, data x tensor);
 * ``periodic``: ranks train alone for H steps, then average (local SGD, DiLoCo);
 * ``asynchronous``: no step-wide synchronisation at all (a parameter server, Hogwild).
 """
@@ -93,6 +94,9 @@ STRATEGIES: dict[str, Strategy] = {
                  colour="#ff9da6", summary="GPipe: all forwards, then all backwards"),
         Strategy("pipeline_1f1b", "pipeline", "pipeline", knobs=PIPELINE, schedule="1f1b",
                  colour="#9d755d", summary="1F1B: one forward, one backward, at most P in flight"),
+        Strategy("dp_pp", "dp_pp", "composed", knobs=PIPELINE - {"pipeline_impl"},
+                 schedule="1f1b", colour="#17becf",
+                 summary="data x pipeline: dp copies of a 1F1B pipeline on a 2-D mesh"),
         Strategy("local_sgd", "local_sgd", "periodic", knobs=LOOP | STRAGGLER | {"period"},
                  colour="#eeca3b", summary="local SGD: H steps alone, then average parameters"),
         Strategy("diloco", "diloco", "periodic",
@@ -129,4 +133,6 @@ def names(kind: str | None = None, *, knob: str | None = None) -> tuple[str, ...
 
 
 PIPELINES = names("pipeline")
+# every strategy that cuts the model into stages (pipelines, and data x pipeline)
+STAGED = tuple(n for n, s in STRATEGIES.items() if s.schedule is not None)
 DATA_PARALLEL = tuple(n for n, s in STRATEGIES.items() if s.data_parallel)

@@ -67,14 +67,20 @@ def step_costs(records: pd.DataFrame, min_cpu_share: float | None = 0.9) -> Sche
     """One run's measured costs per micro-batch (each stage's forward and backward, each
     hand-off, each stage's dispatch gap, with every sample), from its steps' events; with
     ``min_cpu_share``, only the steps in which every rank had that share of a core."""
-    P = int(records["world_size"].iloc[0])
+    P = stages(records)
     keep = step_bubbles(records, min_cpu_share).index
+    by = ["step", "replica"] if "replica" in records else ["step"]  # each pipeline on its own
     steps = [
         [e for evs in g["events"] for e in evs]
-        for step, g in records.groupby("step")
-        if step in keep
+        for key, g in records.groupby(by)
+        if (key[0] if isinstance(key, tuple) else key) in keep
     ]
     return costs_from_steps(steps, P)
+
+
+def stages(records: pd.DataFrame) -> int:
+    """P, the pipeline's depth (``world_size`` for records older than the ``stages`` column)."""
+    return int(records["stages" if "stages" in records else "world_size"].iloc[0])
 
 
 def bubble_table(
@@ -92,8 +98,10 @@ def bubble_table(
     (simulating a run on its own costs would be a replay)."""
     rows = []
     for schedule, runs in records.groupby("schedule"):
-        P = int(runs["world_size"].iloc[0])
-        batch = int(runs["global_batch"].iloc[0])
+        P = stages(runs)
+        batch = int(runs["global_batch"].iloc[0]) // int(
+            runs.get("replica", pd.Series([0])).max() + 1
+        )
         counts = sorted(int(m) for m in runs["microbatches"].unique())
         cal = tuple(calibration or (counts[0], counts[-1]))
         costs = {m: step_costs(runs[runs["microbatches"] == m], min_cpu_share) for m in cal}

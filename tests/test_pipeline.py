@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import RunConfig, models, timeline
+from labkit import RunConfig, equivalence, models, timeline
 from labkit.experiment import run
 from labkit.models import even_bounds, make_model
 from labkit.predict.schedule import ScheduleCosts, bubble_per_stage, costs_at, theory_bubble
@@ -323,3 +323,24 @@ def test_cli_check_accepts_pipeline_strategies():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "all strategies match single" in proc.stdout
+
+
+def test_data_times_pipeline_equals_single_and_runs_one_pipeline_per_replica():
+    # 2 copies of a 2-stage pipeline on 4 ranks (oversubscribed on 2 cores: exact all the same)
+    cfg = SMALL.replace(strategy="dp_pp", world_size=4, stages=2, microbatches=2, steps=3)
+    table = equivalence.check(cfg, ["dp_pp"], world_size=4, steps=3)
+    assert table["ok"].all(), table.to_dict("records")
+    df = run(cfg).records
+    assert sorted({(r, s) for r, s in zip(df["replica"], df["stage"])}) == [
+        (0, 0), (0, 1), (1, 0), (1, 1)
+    ]  # fmt: skip
+    assert (df["samples"] == cfg.global_batch // 2).all()  # each replica: half the batch
+    assert df["bubble_fraction"].between(0, 1).all()
+    # each stage averages with its twin in the other replica: one all-reduce of its weights
+    model = make_model(cfg)
+    halves = models.split(model, even_bounds(len(model), 2))
+    params = [sum(p.numel() * 4 for p in half.parameters()) for half in halves]
+    act = cfg.global_batch // 2 * cfg.width * 4  # a replica's activations, forward or back
+    for (replica, stage), g in df.groupby(["replica", "stage"]):
+        # at 2 replicas the ring all-reduce sends the stage's weights once; plus the messages
+        assert (g["comm_bytes"] == params[stage] + act).all(), (replica, stage, g["comm_bytes"])

@@ -27,7 +27,7 @@ from ..data import batches, shard_loader
 from ..dist import RankContext
 from ..factories import Factories
 from ..models import even_bounds, partition, split, stage_state_names
-from ..wire import traffic
+from ..wire import traffic, watch_all
 from .loop import Progress, buffers_kept, build_model, final_state, seed_rank_streams
 from .probes import RunQueueClock, cpu_seconds, record, sync
 from .profiling import layer_costs
@@ -56,7 +56,9 @@ class Stage:
 
 
 def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories) -> Stage:
-    """Build the whole model (seeded), agree on the cut, keep stage ``ctx.rank`` on ctx.device."""
+    """Build the whole model (seeded), agree on the cut, keep this rank's stage on ctx.device:
+    stage ``rank % stages`` (ranks ``r * stages .. r * stages + stages - 1`` form replica r's
+    pipeline when data parallelism runs several, ``dp_pp``)."""
     model = build_model(cfg, ctx, fns)
     dataset = fns.dataset(cfg)
     # one micro-batch of real samples: the shapes every boundary sees
@@ -65,7 +67,7 @@ def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories) -> Stage:
     with buffers_kept(model):  # probing shapes and costs must not train BatchNorm
         bounds = stage_bounds(cfg, ctx, model, x)
         shapes = boundary_shapes(model, x)
-    s, ends = ctx.rank, bounds[1:] + [len(model)]
+    s, ends = ctx.rank % cfg.stages, bounds[1:] + [len(model)]
     module = split(model, bounds)[s]
     return Stage(
         s,
@@ -204,15 +206,22 @@ def train_stages(
     schedule: str,
     impl: str,
     notes: list[str],
+    replica: int = 0,
+    replicas: int = 1,
+    sync_grads: Callable[[], None] | None = None,
 ) -> dict:
     """Warm up, then run ``cfg.steps`` measured steps of ``step_fn``; return this rank's result.
 
-    Each step: fetch the global batch (data), meet every rank at a barrier and read the shared
-    clock (this rank's step start), run the schedule, step the optimizer.
+    Each step: fetch the global batch (data; replica r of ``replicas`` pipelines takes its r-th
+    slice), meet every rank at a barrier and read the shared clock (this rank's step start),
+    run the schedule, ``sync_grads`` (data parallelism across replicas: timed as comm), step
+    the optimizer.
     """
     data = batches(shard_loader(stage.dataset, cfg.global_batch, 0, 1, seed=cfg.seed))
+    part = cfg.global_batch // replicas
     seed_rank_streams(cfg, ctx)
     total, records, wire = cfg.warmup + cfg.steps, [], traffic()
+    watch_all()  # the groups the strategy made (a device mesh's)
     progress = Progress(ctx, cfg.steps)
     sched = RunQueueClock(all_threads=log.threads > 1)
     for i in range(total):
@@ -221,6 +230,7 @@ def train_stages(
         wire.take()  # warm-up and the step before are not this step's traffic
         t_start = time.perf_counter()
         x, y = next(data)  # every stage draws it, so all stay on single's order
+        x, y = x[replica * part : (replica + 1) * part], y[replica * part : (replica + 1) * part]
         x = x.to(ctx.device) if stage.first else None
         y = y.to(ctx.device) if stage.last else None
         t_data = time.perf_counter()
@@ -229,6 +239,9 @@ def train_stages(
         t0 = time.perf_counter()
         log.begin()
         out = step_fn(x, y)
+        if sync_grads is not None:
+            with log.comm():
+                sync_grads()
         t_sched = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -268,8 +281,8 @@ def train_stages(
             record(
                 base,
                 i - cfg.warmup,
-                out.loss,  # the global batch's loss lives on the last stage; the others have none
-                cfg.global_batch,
+                out.loss,  # the batch's loss lives on the last stage; the others have none
+                part,
                 times,
                 start_s=t0 + log.offset_s,
                 cpu_share=cpu_share,
@@ -278,6 +291,8 @@ def train_stages(
                 comm_calls=sent["comm_calls"],
                 comm_payload_bytes=sent["comm_payload_bytes"],
                 stage=stage.index,
+                stages=cfg.stages,
+                replica=replica,
                 microbatches=cfg.microbatches,
                 schedule=schedule,
                 impl=impl,
@@ -288,7 +303,7 @@ def train_stages(
             )
         )
         notes.extend(n for n in out.notes if n not in notes)
-        progress(i + 1 - cfg.warmup, out.loss, cfg.global_batch if stage.last else 0)
+        progress(i + 1 - cfg.warmup, out.loss, part if stage.last else 0)
     return {
         "records": records,
         "notes": notes,

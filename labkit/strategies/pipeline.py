@@ -78,7 +78,7 @@ def scratch_schedule(
     """
     M = cfg.microbatches
     actions = stage_actions(schedule, cfg.stages, M, stage.index)
-    prev, nxt = stage.index - 1, stage.index + 1
+    prev, nxt = ctx.rank - 1, ctx.rank + 1  # this pipeline's neighbours (global ranks)
 
     def recv(like: torch.Tensor, src: int) -> torch.Tensor:
         buf = torch.empty(like.shape, dtype=like.dtype, device=ctx.device)
