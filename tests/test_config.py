@@ -57,7 +57,11 @@ INVALID = [
     ),
     (
         {"strategy": "pipeline_1f1b", "global_batch": 30, "microbatches": 4},
-        ["global batch 30 is not divisible by 4 micro-batches", "multiple of microbatches"],
+        ["global batch 30 is not divisible by 4 micro-batches x 1 pipeline(s)", "multiple of 4"],
+    ),
+    (
+        {"strategy": "dp_pp", "world_size": 3, "stages": 2},
+        ["world size 3 is not a multiple of 2", "set world_size to a multiple of stages"],
     ),
     (
         {"strategy": "model_parallel", "world_size": 4, "stages": 4, "depth": 2},
