@@ -28,6 +28,7 @@ from .rank.resume import read_timeline
 from .records import config_label, from_ranks, save_records, summarize
 from .report import format_table
 from .strategies import run_rank
+from .trace import to_chrome_trace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", help="rank 0 writes the records here (JSON)")
+    p.add_argument("--trace", help="rank 0 writes a Chrome trace of every rank here")
     add_config_arguments(p)
     # torchrun decides the world size; the flag, if given, must agree with it
     p.set_defaults(world_size=None)
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every rank checks; only rank 0 says it, once
         cfg = _config(args, world_size)
         writable("--out", args.out)
+        writable("--trace", args.trace)
     except ValueError as exc:
         if rank == 0:
             print(f"labkit.worker: error: {exc}", file=sys.stderr, flush=True)
@@ -89,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         timeline = {}
         if cfg.checkpoint_dir:  # the whole history, across restarts and world sizes
             timeline = {"timeline": read_timeline(cfg.checkpoint_dir)}
+        records["node"] = records["rank"] // local_world  # torchrun numbers ranks node by node
         if args.out:
             save_records(records, args.out, config=cfg.to_dict(), launcher="torchrun", **timeline)
             print(f"records: {args.out} ({len(records)} rows)")
+        if args.trace:
+            to_chrome_trace(records, args.trace, meta={"config": cfg.to_dict(), **timeline})
+            print(f"trace: {args.trace}")
     return 0
 
 

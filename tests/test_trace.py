@@ -110,3 +110,28 @@ def test_profile_dir_writes_one_torch_profiler_trace_per_rank_with_labkits_phase
         assert any("allreduce" in n.replace("_", "") for n in names), sorted(names)
         steps = [e for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep")]
         assert 1 <= len(steps) <= 5
+
+
+def test_compare_and_the_torchrun_worker_write_traces(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    small = ["--steps", "3", "--warmup", "1", "--width", "64", "--depth", "2",
+             "--global-batch", "32", "--dataset-size", "512"]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "labkit", "compare", "--strategies", "ddp,pipeline_1f1b",
+         "--world-sizes", "2", *small, "--trace", str(tmp_path / "c.json")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(read(tmp_path / "c.json")["processes"]) == 4  # 2 runs x 2 ranks
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "labkit.worker", "--strategy", "ddp", *small, "--trace", str(tmp_path / "w.json")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = read(tmp_path / "w.json")
+    assert sorted(got["processes"].values()) == ["rank 0, node 0", "rank 1, node 0"]

@@ -23,6 +23,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("compare", help="run strategies over world sizes and compare them")
     p.add_argument("--json", help="write per-rank records here")
     p.add_argument("--html", help="write a plotly report here")
+    p.add_argument("--trace", help="write a Chrome trace here (Perfetto, chrome://tracing)")
     add_config_arguments(p, sweep=("strategy", "world_size"))
     p.set_defaults(func=cmd_compare)
 
@@ -60,6 +61,7 @@ def cmd_compare(args) -> int:
 
     writable("--json", args.json)
     writable("--html", args.html)
+    writable("--trace", args.trace)
     sizes = csv(args.world_sizes, int, flag="--world-sizes")
     balancing = bool(args.slowdown) or args.skew > 0 or args.rebalance != "static"
     # load-balancing knobs belong to ddp_naive; the base must be a config they are valid on
@@ -141,6 +143,11 @@ def _report(args, base: RunConfig, records) -> int:
         ]
         write_html(args.html, "labkit compare", table, figs)
         print(f"report: {args.html}")
+    if getattr(args, "trace", None):
+        from ..trace import to_chrome_trace
+
+        to_chrome_trace(records, args.trace, meta={"config": base.to_dict()})
+        print(f"trace: {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
