@@ -155,10 +155,11 @@ WIDE = DEFAULTS.replace(
 # a step counts only if every stage got at least 0.9. If other processes leave fewer than 2 such
 # steps, the measurement did not hold still and the test skips, saying so with the numbers (it
 # runs in CI, where nothing competes). The tolerance is what a prediction from other runs can
-# promise: at the defaults the same configuration run twice measured 0.479 and 0.523 at M=4
-# (a hand-off is ~1 ms, and one scheduler tick on it moves a step), so 0.08; at width 1024,
-# where compute dominates, predictions landed within 0.025 over two repeats, so 0.05.
-CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, {"defaults": 0.08, "wide": 0.05}
+# promise: at the defaults the same configuration run twice measured 0.479 and 0.523 at M=4,
+# and GPipe's M=4 measured above its M=2 in one run (a hand-off is ~1 ms, and one scheduler
+# tick on it moves a step): errors reached 0.09 over five sweeps, so 0.1; at width 1024, where
+# compute dominates, predictions landed within 0.025 over two repeats, so 0.05.
+CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, {"defaults": 0.1, "wide": 0.05}
 
 
 @pytest.mark.slow
