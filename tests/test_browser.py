@@ -345,7 +345,7 @@ def test_pipeline_panel_in_a_browser(lab, browser):
     status = wait_status(page, r"done: pipeline_gpipe P=2 M=8", 120)
     shown = panel_output(page)
     page.screenshot(path=str(OUT / "browser-02-after-run.png"), full_page=True)
-    assert "measured (gpipe, P=2, M=8)" in shown and "predicted" in shown, shown[:800]
+    assert "measured (gpipe, P=2, M=8)" in shown and "replayed" in shown, shown[:800]
     assert "closed form" in status
 
     # model_parallel runs one micro-batch: the panel says so instead of promising M=8
