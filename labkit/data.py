@@ -70,10 +70,46 @@ def image_transform():
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5], [0.5])])
 
 
+class ToySequences(Dataset):
+    """Sequences of Gaussian feature vectors, labelled by a random teacher that weighs each
+    position by where it sits (from -1 at the first to +1 at the last): the class depends on
+    the whole sequence and on its order, so attention and the position embedding have work."""
+
+    def __init__(
+        self,
+        size: int = 4096,
+        seq_len: int = 16,
+        in_features: int = 32,
+        classes: int = 10,
+        seed: int = 0,
+    ):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, seq_len, in_features, generator=g)
+        self.w1 = torch.randn(in_features, 64, generator=g) / in_features**0.5
+        self.w2 = torch.randn(64, classes, generator=g)
+        self.y = self.teacher(self.x)
+
+    def teacher(self, x: torch.Tensor) -> torch.Tensor:
+        """The class of each sequence in ``x`` (batch, seq_len, in_features)."""
+        where = torch.linspace(-1, 1, x.shape[1])[:, None]  # (seq_len, 1)
+        return ((where * torch.tanh(x @ self.w1)).mean(1) @ self.w2).argmax(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
 def make_dataset(cfg: RunConfig) -> Dataset:
-    """The dataset a config asks for (the CNN gets images, the MLPs get vectors)."""
+    """The dataset a config asks for (the CNN gets images, the MLPs get vectors, the
+    transformer sequences of vectors)."""
     if cfg.model == "cnn":
         return SyntheticImages(cfg.dataset_size, cfg.classes, seed=cfg.seed)
+    if cfg.model == "transformer":  # seq_len: a RunConfig field to come
+        return ToySequences(
+            cfg.dataset_size, getattr(cfg, "seq_len", 16), cfg.in_features, cfg.classes, cfg.seed
+        )
     return ToyClassification(cfg.dataset_size, cfg.in_features, cfg.classes, seed=cfg.seed)
 
 

@@ -51,11 +51,123 @@ def cnn(
     return nn.Sequential(*blocks, nn.Sequential(nn.Flatten(), nn.Linear(c * size * size, classes)))
 
 
+# ---- a small transformer (tensor parallelism's model) -------------------------------------------
+
+
+class Embed(nn.Module):
+    """Each position's feature vector projected to the hidden size, plus a learned position."""
+
+    def __init__(self, in_features: int, hidden: int, seq_len: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, hidden)
+        self.pos = nn.Parameter(0.02 * torch.randn(seq_len, hidden))
+        # a seam, the identity here: sequence parallelism keeps only this rank's slice of the
+        # sequence from here on (labkit.strategies.tp); it holds no parameters, so names stay
+        self.to_shard = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, seq, in) -> (batch, seq, hidden)
+        return self.to_shard(self.proj(x) + self.pos[: x.shape[1]])
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention, ``softmax(q k^T / sqrt(d)) v`` per head.
+
+    ``qkv`` is one Linear whose output rows are grouped by head (q, k, v of head 0, then of head
+    1, ...), so any contiguous block of its rows is a set of whole heads: the cut tensor
+    parallelism makes. The number of heads is read off the tensor (``-1`` below), so the same
+    code runs a module holding all heads or a tensor-parallel rank's share of them.
+    """
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not divisible by {heads} heads")
+        self.head_dim = hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # shapes read here: under sequence parallelism x is a slice of the
+        b, s = qkv.shape[:2]  # sequence and qkv gathers it whole
+        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # -1: the heads held here
+        q, k, v = qkv.transpose(1, 2).unbind(3)  # each (batch, heads, seq, head_dim)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """h -> 4h -> h with a GELU between."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """A GPT-2 style pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = SelfAttention(hidden, heads)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = FeedForward(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Classify a sequence from its last position, the only one a causal model lets see it all."""
+
+    def __init__(self, hidden: int, classes: int):
+        super().__init__()
+        self.from_shard = nn.Identity()  # the seam where sequence parallelism gathers it back
+        self.ln = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(self.from_shard(x)[:, -1]))
+
+
+def transformer(
+    in_features: int = 32,
+    hidden: int = 64,
+    layers: int = 2,
+    classes: int = 10,
+    heads: int = 4,
+    seq_len: int = 16,
+) -> nn.Sequential:
+    """A small GPT-style sequence classifier: embedding, ``layers`` blocks, head (``layers + 2``
+    splittable blocks). Input (batch, seq_len, in_features), output (batch, classes).
+
+    Causal, as in GPT (the model the Megatron-LM papers split): the mask changes nothing about
+    how tensor parallelism cuts it (heads are independent either way), and the last position,
+    which has attended to every other one, is what the head reads."""
+    blocks = [Block(hidden, heads) for _ in range(layers)]
+    return nn.Sequential(Embed(in_features, hidden, seq_len), *blocks, Head(hidden, classes))
+
+
 def make_model(cfg: RunConfig) -> nn.Sequential:
     """The model a config asks for, initialised from ``cfg.seed`` (identical on every rank)."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "cnn":
         return cnn(width=cfg.width // 8 or 8, depth=cfg.depth, classes=cfg.classes)
+    if cfg.model == "transformer":  # heads, seq_len: RunConfig fields to come
+        return transformer(
+            cfg.in_features,
+            cfg.width,
+            cfg.depth,
+            cfg.classes,
+            heads=getattr(cfg, "heads", 4),
+            seq_len=getattr(cfg, "seq_len", 16),
+        )
     build = unbalanced_mlp if cfg.model == "unbalanced_mlp" else mlp
     return build(cfg.in_features, cfg.width, cfg.depth, cfg.classes)
 
