@@ -377,6 +377,9 @@ def test_bytes_per_transformer_layer_match_megatron_formulas(impl):
         # after backward, sequence parallelism sums the partial gradients of two LayerNorms
         # (weight and bias) and two row-parallel biases: 6 h values, in one message
         assert seq["after"] == [("all_reduce", 6 * H * 4)]
+    else:  # DTensor's functional collectives bypass torch.distributed's Python functions: only
+        for res in (plain, seq):  # the process group (labkit.wire's place) sees them
+            assert res["forward"] == res["backward"] == [], res
 
 
 # ---- the strategies' entry points: the shared training loop, against single --------------------
