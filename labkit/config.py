@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from . import registry
 from .shares import parse_slowdown
 
-MODELS = ("mlp", "cnn", "unbalanced_mlp")
+MODELS = ("mlp", "cnn", "unbalanced_mlp", "transformer")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "mpi")
 PIPELINE_IMPLS = ("scratch", "torch")
@@ -46,6 +46,8 @@ class RunConfig:
     depth: int = knob(4, "hidden layers")
     classes: int = knob(10, "output classes")
     dataset_size: int = knob(4096, "samples in the synthetic dataset")
+    heads: int = knob(4, "transformer: attention heads")
+    seq_len: int = knob(16, "transformer: tokens per sample")
 
     device: str = knob("auto", "auto: one GPU per rank if there are enough, else CPU", DEVICES)
     backend: str | None = knob(None, "process-group backend (default: nccl on GPUs, gloo on CPU)",
@@ -58,6 +60,12 @@ class RunConfig:
     pipeline_impl: str = knob("scratch", "scratch: labkit's own schedules; torch: "
                               "torch.distributed.pipelining", PIPELINE_IMPLS)  # fmt: skip
     balance_stages: bool = knob(False, "cut stages by measured layer cost, not layer count")
+
+    # ---- tensor parallelism (notebook 09)
+    tp: int | None = knob(None, "tensor-parallel degree, ranks that split every layer (default: "
+                          "all of them; dp_tp: world_size / tp replicas of tp ranks)")  # fmt: skip
+    sequence_parallel: bool = knob(False, "tp: activations outside Megatron's regions split "
+                                   "on the sequence (reduce-scatter + all-gather)")  # fmt: skip
 
     # ---- communication (notebook 03); accumulation is a knob of the shared loop
     bucket_cap_mb: float | None = knob(None, "DDP bucket size in MB (default: DDP's 25 MB, "
@@ -129,6 +137,8 @@ class RunConfig:
             "powersgd_rank",
             "rebalance_every",
             "period",
+            "heads",
+            "seq_len",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -152,6 +162,7 @@ class RunConfig:
         self._check_batch()
         self._check_balancing()
         self._check_checkpoint_dir()
+        self._check_tensor_parallel()
         self._check_strategy()
         if self.dataset_size < self.global_batch:
             raise ValueError(
@@ -306,6 +317,57 @@ class RunConfig:
                 "slowdown): drop slowdown/skew/rebalance or set checkpoint_dir=None"
             )
 
+    def _check_tensor_parallel(self) -> None:
+        if self.tp is not None and self.tp < 1:
+            raise ValueError(f"tp must be at least 1 or None, got {self.tp}")
+        if (self.tp is not None or self.sequence_parallel) and "tp" not in registry.get(
+            self.strategy
+        ).knobs:
+            self._refuse("tp", "tp and sequence_parallel split every layer", "drop them")
+        if self.model == "transformer" and self.width % self.heads:
+            raise ValueError(
+                f"width {self.width} does not split into {self.heads} heads: pick a width that "
+                f"is a multiple of heads"
+            )
+        if "tp" not in registry.get(self.strategy).knobs:
+            return
+        kind = registry.get(self.strategy).kind
+        if kind == "tensor_parallel" and self.tp not in (None, self.world_size):
+            raise ValueError(
+                f"{self.strategy} splits every layer over all its ranks: set tp=None or tp == "
+                f"world_size (got tp={self.tp}, world_size={self.world_size}); dp_tp runs "
+                f"several tensor-parallel groups"
+            )
+        if kind == "composed" and self.world_size % self.tensor_parallel:
+            raise ValueError(
+                f"{self.strategy} runs world_size / tp replicas of a tp-rank group: set tp to a "
+                f"divisor of world size {self.world_size} (got tp={self.tp})"
+            )
+        t = self.tensor_parallel
+        if self.model == "transformer" and self.heads % t:
+            raise ValueError(
+                f"{self.heads} heads do not split over {t} tensor-parallel ranks (each holds "
+                f"whole heads): pick heads that are a multiple of {t}"
+            )
+        if self.width % t:
+            raise ValueError(
+                f"width {self.width} does not split over {t} tensor-parallel ranks: pick a "
+                f"width that is a multiple of {t}"
+            )
+        if self.sequence_parallel and (self.model != "transformer" or self.seq_len % t):
+            raise ValueError(
+                f"sequence parallelism splits a transformer's sequence over the {t} ranks: use "
+                f"model='transformer' with seq_len a multiple of {t} (got model={self.model!r}, "
+                f"seq_len={self.seq_len})"
+            )
+
+    @property
+    def tensor_parallel(self) -> int:
+        """The tensor-parallel degree this run uses (1 for strategies that do not split layers)."""
+        if "tp" not in registry.get(self.strategy).knobs:
+            return 1
+        return self.tp or self.world_size
+
     def _check_strategy(self) -> None:
         """What one strategy needs beyond its knobs."""
         if self.precision == "fp16":
@@ -340,8 +402,11 @@ class RunConfig:
 
     @property
     def data_ranks(self) -> int:
-        """Ranks that train on data: every rank, except async_ps's parameter server (rank 0)."""
-        return max(1, self.ranks - 1) if self.strategy == "async_ps" else self.ranks
+        """Ranks (or groups of ranks) that each train on their own slice of the data: every
+        rank, except async_ps's parameter server (rank 0); one per tensor-parallel group."""
+        if self.strategy == "async_ps":
+            return max(1, self.ranks - 1)
+        return self.ranks // self.tensor_parallel
 
     @property
     def balancing(self) -> bool:

@@ -107,9 +107,7 @@ def make_dataset(cfg: RunConfig) -> Dataset:
     if cfg.model == "cnn":
         return SyntheticImages(cfg.dataset_size, cfg.classes, seed=cfg.seed)
     if cfg.model == "transformer":  # seq_len: a RunConfig field to come
-        return ToySequences(
-            cfg.dataset_size, getattr(cfg, "seq_len", 16), cfg.in_features, cfg.classes, cfg.seed
-        )
+        return ToySequences(cfg.dataset_size, cfg.seq_len, cfg.in_features, cfg.classes, cfg.seed)
     return ToyClassification(cfg.dataset_size, cfg.in_features, cfg.classes, seed=cfg.seed)
 
 

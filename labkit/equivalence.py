@@ -115,6 +115,8 @@ def check(
             world_size=1,
             accumulate=1,
             comm_hook="none",
+            tp=None,
+            sequence_parallel=False,
             sync_every_microstep=False,
             slowdown=(),
             skew=0.0,
@@ -175,7 +177,15 @@ def check(
 
 
 def _ws(cfg: RunConfig, name: str, world_size: int) -> int:
-    return cfg.stages if name in PIPELINES else world_size
+    return world_size_for(name, world_size, cfg.stages)
+
+
+def world_size_for(name: str, world_size: int, stages: int) -> int:
+    """The ranks ``check`` runs ``name`` on: a pipeline has one per stage, the rest
+    ``world_size``."""
+    if name == "single":
+        return 1
+    return stages if name in PIPELINES else world_size
 
 
 def _max_diff(got: dict, ref: dict, keys=None) -> float:

@@ -165,8 +165,8 @@ def make_model(cfg: RunConfig) -> nn.Sequential:
             cfg.width,
             cfg.depth,
             cfg.classes,
-            heads=getattr(cfg, "heads", 4),
-            seq_len=getattr(cfg, "seq_len", 16),
+            heads=cfg.heads,
+            seq_len=cfg.seq_len,
         )
     build = unbalanced_mlp if cfg.model == "unbalanced_mlp" else mlp
     return build(cfg.in_features, cfg.width, cfg.depth, cfg.classes)

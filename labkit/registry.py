@@ -41,6 +41,7 @@ STRAGGLER = frozenset({"slowdown"})
 # stragglers, data skew and shares that follow them (labkit.rank.balancer)
 BALANCING = frozenset({"slowdown", "skew", "rebalance", "rebalance_every"})
 PIPELINE = frozenset({"stages", "microbatches", "pipeline_impl", "balance_stages"})
+TENSOR = frozenset({"tp", "sequence_parallel"})
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,14 @@ STRATEGIES: dict[str, Strategy] = {
                  colour="#ff9da6", summary="GPipe: all forwards, then all backwards"),
         Strategy("pipeline_1f1b", "pipeline", "pipeline", knobs=PIPELINE, schedule="1f1b",
                  colour="#9d755d", summary="1F1B: one forward, one backward, at most P in flight"),
+        Strategy("tp", "tp", "tensor_parallel", knobs=LOOP | ACCUMULATE | TENSOR,
+                 colour="#aec7e8",
+                 summary="tensor parallelism by hand (Megatron): every layer split"),
+        Strategy("tp_dtensor", "tp_dtensor", "tensor_parallel",
+                 knobs=LOOP | ACCUMULATE | TENSOR, colour="#ffbb78",
+                 summary="the same split through DTensor's parallelize_module"),
+        Strategy("dp_tp", "dp_tp", "composed", knobs=LOOP | ACCUMULATE | TENSOR,
+                 colour="#98df8a", summary="data x tensor: dp replicas of a tp group, 2-D mesh"),
         Strategy("dp_pp", "dp_pp", "composed", knobs=PIPELINE - {"pipeline_impl"},
                  schedule="1f1b", colour="#17becf",
                  summary="data x pipeline: dp copies of a 1F1B pipeline on a 2-D mesh"),

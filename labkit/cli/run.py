@@ -153,16 +153,22 @@ def _report(args, base: RunConfig, records) -> int:
 
 def cmd_check(args) -> int:
     one_run_only(args)
-    from ..equivalence import check
+    from ..equivalence import check, world_size_for
 
-    base = config_from_args(args, strategy="single", world_size=1)
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    names = csv(args.strategies, flag="--strategies")
+    # the flags are validated against the first strategy checked (a knob such as --tp or
+    # --comm-hook belongs to it, not to the single-device reference, which drops them)
+    first = next((s for s in names if s != "single"), "single")
+    base = config_from_args(
+        args, strategy=first, world_size=world_size_for(first, args.world_size, args.stages)
+    )
     if not args.tol > 0:
         raise ValueError(f"--tol must be positive, got {args.tol}")
     result = check(
         base,
-        csv(args.strategies, flag="--strategies"),
+        names,
         args.world_size,
         steps=args.steps,
         tol=args.tol,

@@ -333,6 +333,8 @@ def predict(
     compression: float = 1.0,
     microbatches: int = 4,
     bounds: Sequence[int] | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
     band: bool = False,
     spread: tuple[CollectiveModel, CollectiveModel] | None = None,
 ) -> StepPrediction:
@@ -347,7 +349,8 @@ def predict(
     (``Profile.comm_spread``), or to ``spread``, the network fitted on the comm benchmark's
     10th and 90th percentile times (``labkit.predict.collectives.fit_band``)."""
     knobs = dict(bucket_cap_mb=bucket_cap_mb, accumulate=accumulate, no_sync=no_sync,
-                 compression=compression, microbatches=microbatches, bounds=bounds)  # fmt: skip
+                 compression=compression, microbatches=microbatches, bounds=bounds, tp=tp,
+                 sequence_parallel=sequence_parallel)  # fmt: skip
     pred = _predict(profile, network, strategy, world_size, global_batch, **knobs)
     if band or spread is not None:  # the fast end with fast compute, the slow with the slow
         spread = spread or tuple(network.scaled(f) for f in profile.comm_spread)
@@ -373,9 +376,16 @@ def _predict(
     compression: float,
     microbatches: int,
     bounds: Sequence[int] | None,
+    tp: int,
+    sequence_parallel: bool,
 ) -> StepPrediction:
     if world_size < 1 or global_batch < 1 or accumulate < 1:
         raise ValueError("world_size, global_batch and accumulate must be at least 1")
+    if registry.get(strategy).kind == "tensor_parallel" or strategy == "dp_tp":
+        degree = world_size if strategy != "dp_tp" else tp
+        return _tensor_parallel(
+            profile, network, strategy, world_size, global_batch, degree, sequence_parallel
+        )
     if registry.get(strategy).kind == "pipeline":
         return _pipeline(
             profile,
@@ -421,6 +431,71 @@ def _predict(
     # its compute thread sleeps through the exposed communication
     pred.after_wait_s = syncs * profile.after_wait(pred.exposed_s / syncs)
     return pred
+
+
+def tensor_parallel_layout(profile: Profile) -> list[tuple[bool, int]]:
+    """Per block: (split over the tensor-parallel ranks?, activation all-reduces it ends with in
+    forward). labkit's transformer: each ``Block`` is two Megatron pairs (attention, MLP), split,
+    two all-reduces; the embedding and head replicated. labkit's MLP: hidden blocks paired,
+    column then row, one all-reduce after each pair; an odd last hidden block and the head
+    replicated (``labkit.strategies.tp.parallelize``)."""
+    names = [layer.name.split(": ")[-1] for layer in profile.layers]
+    if "Block" in names:
+        return [(n == "Block", 2 if n == "Block" else 0) for n in names]
+    hidden = len(names) - 1
+    pairs = hidden // 2 * 2
+    return [(i < pairs, 1 if i < pairs and i % 2 else 0) for i in range(len(names))]
+
+
+def _tensor_parallel(
+    profile: Profile,
+    network: CollectiveModel,
+    strategy: str,
+    world_size: int,
+    global_batch: int,
+    tp: int,
+    sequence_parallel: bool,
+) -> StepPrediction:
+    """Every rank of a tensor-parallel group computes 1/tp of each split block on the whole
+    batch of its data-parallel replica (``dp = world_size / tp``) and waits for the activation
+    all-reduces that end each Megatron pair: per pair one in forward (``g``) and one in
+    backward (``f``), of the pair's output, b x s x h elements; under sequence parallelism a
+    reduce-scatter and an all-gather instead (the same bytes). With dp > 1 the replicas then
+    average their gradients in one all-reduce (dp_tp), after backward."""
+    dp = world_size // tp
+    micro = profile.at_batch(global_batch / dp)
+    layout = tensor_parallel_layout(profile)
+    fwd = sum(x.forward_s / (tp if split else 1) for x, (split, _) in zip(micro.layers, layout))
+    bwd = sum(x.backward_s / (tp if split else 1) for x, (split, _) in zip(micro.layers, layout))
+    per_byte, comm_s, sent = coefficients("all_reduce", tp)[1], 0.0, 0.0
+    for layer, (_, reduces) in zip(micro.layers, layout):
+        nbytes = layer.activation_bytes * micro.batch
+        one = (
+            network.time("reduce_scatter", nbytes, tp) + network.time("all_gather", nbytes, tp)
+            if sequence_parallel
+            else network.time("all_reduce", nbytes, tp)
+        )
+        comm_s += 2 * reduces * one  # forward and backward
+        sent += 2 * reduces * nbytes * per_byte
+    if dp > 1:  # the replicas' gradient average, this rank's slice of the weights
+        grads = sum(
+            sum(layer.grad_bytes) / (tp if split else 1)
+            for layer, (split, _) in zip(profile.layers, layout)
+        )
+        comm_s += network.time("all_reduce", grads, dp)
+        sent += grads * coefficients("all_reduce", dp)[1]
+    return StepPrediction(
+        strategy,
+        world_size,
+        global_batch,
+        profile.data_s,
+        fwd,
+        bwd,
+        profile.optimizer_s / tp,
+        comm_total_s=comm_s,
+        exposed_s=comm_s,  # every message here is on the critical path
+        comm_bytes=sent,
+    )
 
 
 def _pipeline(

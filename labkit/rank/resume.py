@@ -47,6 +47,8 @@ FINGERPRINT_FIELDS = (
     "global_batch",
     "warmup",
     "sync_batchnorm",
+    "heads",
+    "seq_len",
 )
 
 

@@ -353,7 +353,7 @@ def _whole(t: torch.Tensor, dim: int | None, group) -> torch.Tensor:
 def degree(cfg: RunConfig, ctx: RankContext) -> int:
     """The tensor-parallel degree: every rank (``cfg.tp`` None or ``world_size``; data x tensor
     parallelism, ``tp < world_size``, is the composed strategy ``dp_tp``)."""
-    tp = getattr(cfg, "tp", None) or ctx.world_size
+    tp = cfg.tp or ctx.world_size
     if tp != ctx.world_size:
         raise ValueError(
             f"tensor parallelism puts one slice of every layer on each rank: set tp=None or "
@@ -375,7 +375,7 @@ def same_batches(cfg: RunConfig, fns: Factories) -> batches:
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
-    sequence_parallel = getattr(cfg, "sequence_parallel", False)
+    sequence_parallel = cfg.sequence_parallel
     group = tp_group(cfg, ctx)
     model = parallelize(build_model(cfg, ctx, fns), group, sequence_parallel)
     data = same_batches(cfg, fns)

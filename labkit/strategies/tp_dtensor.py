@@ -117,7 +117,7 @@ def full_state(model: nn.Module) -> dict:
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     mesh = init_device_mesh(ctx.device.type, (degree(cfg, ctx),), mesh_dim_names=("tp",))
-    model = parallelize(build_model(cfg, ctx, fns), mesh, getattr(cfg, "sequence_parallel", False))
+    model = parallelize(build_model(cfg, ctx, fns), mesh, cfg.sequence_parallel)
     data = same_batches(cfg, fns)  # every rank the whole global batch
     out = train_loop(cfg, ctx, model, data, fns=fns)
     if out["params"] is not None:  # check mode: the dense model's state, every tensor whole
