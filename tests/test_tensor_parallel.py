@@ -478,3 +478,43 @@ def test_transformer_factory_is_seeded_shaped_and_its_data_learnable():
         loss.backward()
         opt.step()
     assert loss.item() < 0.7 * first, (first, loss.item())
+
+
+# ---- the predictor's bytes against the bytes counted on the wire -------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, world_size, tp_degree, model, sp",
+    [
+        ("tp", 2, None, "mlp", False),
+        ("tp", 2, None, "transformer", False),
+        ("tp", 2, None, "transformer", True),
+        ("tp_dtensor", 2, None, "transformer", True),
+        ("dp_tp", 4, 2, "mlp", False),
+        ("dp_tp", 4, 2, "transformer", True),
+    ],
+)
+def test_predicted_bytes_are_the_bytes_counted_on_the_wire(
+    strategy, world_size, tp_degree, model, sp
+):
+    """predict.step reads the layout from the profile (each block's output and gradient
+    sizes) and the Megatron pairs (labkit.predict.step.tensor_parallel_layout); labkit.wire
+    counts what each rank's process group is handed. Every step, every rank: the same bytes."""
+    from labkit import RunConfig, experiment, profile
+    from labkit.predict.collectives import AlphaBeta, CollectiveModel
+    from labkit.predict.step import predict
+
+    cfg = RunConfig(
+        strategy=strategy, world_size=world_size, tp=tp_degree, model=model,
+        sequence_parallel=sp, width=64, steps=3, warmup=1,
+    )  # fmt: skip
+    prof = profile.measure(cfg, repeats=1)
+    net = CollectiveModel.uniform(AlphaBeta(1e-5, 1e9))
+    pred = predict(
+        prof, net, strategy, world_size, cfg.global_batch, tp=cfg.tensor_parallel,
+        sequence_parallel=sp,
+    )  # fmt: skip
+    counted = experiment.run(cfg).records["comm_bytes"]
+    assert len(counted) == world_size * cfg.steps
+    assert (counted == pred.comm_bytes).all(), (sorted(set(counted)), pred.comm_bytes)
