@@ -334,14 +334,15 @@ class RunConfig:
         kind = registry.get(self.strategy).kind
         if kind == "tensor_parallel" and self.tp not in (None, self.world_size):
             raise ValueError(
-                f"{self.strategy} splits every layer over all its ranks: set tp=None or tp == "
-                f"world_size (got tp={self.tp}, world_size={self.world_size}); dp_tp runs "
-                f"several tensor-parallel groups"
+                f"tp={self.tp} with world_size {self.world_size}: {self.strategy} splits every "
+                f"layer over all its ranks, set tp=None or tp == world_size (dp_tp runs several "
+                f"tensor-parallel groups)"
             )
         if kind == "composed" and self.world_size % self.tensor_parallel:
             raise ValueError(
-                f"{self.strategy} runs world_size / tp replicas of a tp-rank group: set tp to a "
-                f"divisor of world size {self.world_size} (got tp={self.tp})"
+                f"tp={self.tp} does not divide world size {self.world_size}: {self.strategy} "
+                f"runs world_size / tp replicas of a tp-rank group, set tp to a divisor of "
+                f"world size {self.world_size}"
             )
         t = self.tensor_parallel
         if self.model == "transformer" and self.heads % t:

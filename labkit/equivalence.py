@@ -28,8 +28,9 @@ from collections.abc import Sequence
 import pandas as pd
 from torch import nn
 
+from . import registry
 from .config import RunConfig
-from .env import resolve_device
+from .env import cpu_cores, resolve_device
 from .experiment import run
 from .factories import Factories
 from .registry import DATA_PARALLEL, PIPELINES
@@ -97,7 +98,7 @@ def check(
         )
     cfg = base.replace(steps=steps, warmup=0, deterministic=True)
     for name in strategies:  # every config valid before anything runs
-        cfg.replace(strategy=name, world_size=_ws(cfg, name, world_size))
+        config_for(cfg, name, world_size)
     model = Factories(model_fn).model(cfg)
     bn, rand = batch_stat_layers(model), random_layers(model)
     kwargs = dict(
@@ -126,8 +127,8 @@ def check(
     ).params
     rows = []
     for name in strategies:
-        ws = _ws(cfg, name, world_size)
-        run_cfg, adjust, why = cfg.replace(strategy=name, world_size=ws), [], []
+        run_cfg, adjust, why = config_for(cfg, name, world_size), [], []
+        ws = run_cfg.world_size
         if rand:
             adjust.append("dropout off")
             why.append(
@@ -152,7 +153,13 @@ def check(
                 f"batch: not the same computation at M={cfg.microbatches} (use M=1, or "
                 f"LayerNorm/GroupNorm)"
             )
-        got = run(run_cfg, **kwargs).params
+        result = run(run_cfg, **kwargs)
+        got = result.params
+        if result.records["oversubscribed"].any():
+            why.append(
+                f"{run_cfg.ranks} ranks on {cpu_cores()} cores, oversubscribed: they take "
+                f"turns on the cores, which changes their timing, not what they compute"
+            )
         if set(got) != set(ref):
             raise AssertionError(
                 f"{name} returned state {sorted(set(got) ^ set(ref))} that "
@@ -176,8 +183,14 @@ def check(
     return pd.DataFrame(rows)
 
 
-def _ws(cfg: RunConfig, name: str, world_size: int) -> int:
-    return world_size_for(name, world_size, cfg.stages)
+def config_for(cfg: RunConfig, name: str, world_size: int) -> RunConfig:
+    """``cfg`` for strategy ``name`` in one check of several: the tensor-parallel degree is a
+    knob of the strategies that split layers, so one that does not drops it (``check
+    --strategies dp_tp,dp_pp --tp 2 --stages 2``)."""
+    layout = {} if "tp" in registry.get(name).knobs else dict(tp=None, sequence_parallel=False)
+    return cfg.replace(
+        strategy=name, world_size=world_size_for(name, world_size, cfg.stages), **layout
+    )
 
 
 def world_size_for(name: str, world_size: int, stages: int) -> int:

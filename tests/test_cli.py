@@ -100,6 +100,22 @@ def test_check_passes_for_data_parallel_strategies():
     assert "all strategies match single" in r.stdout
 
 
+@pytest.mark.slow
+def test_check_passes_for_the_2d_layouts_with_one_tp_flag():
+    """--tp is dp_tp's knob; dp_pp, checked beside it, drops it. Four ranks on two cores say
+    they are oversubscribed, and are exact all the same."""
+    r = labkit(
+        "check", "--strategies", "dp_tp,dp_pp", "--world-size", "4", "--tp", "2",
+        "--stages", "2", timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all strategies match single within 1e-05" in r.stdout
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.strip()}
+    assert rows["dp_tp"][1] == rows["dp_pp"][1] == "4"
+    if os.cpu_count() < 4:
+        assert "note (dp_tp): 4 ranks on" in r.stdout and "oversubscribed" in r.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -173,6 +189,11 @@ def test_worker_without_torchrun_says_how_to_start_it():
         (["compare", "--global-batch", "0"], ["--global-batch", "global_batch must be at least 1"]),
         (["check", "--strategies", "ddp,foo"], ["unknown strategy 'foo'"]),
         (["check", "--tol", "0"], ["--tol must be positive"]),
+        (["check", "--strategies", "ddp", "--tp", "2"], ["--tp", "knob of tp, tp_dtensor"]),
+        (
+            ["check", "--strategies", "dp_tp", "--world-size", "4", "--tp", "3"],
+            ["--tp", "divisor of world size 4"],
+        ),
         (
             ["compare", "--strategies", "local_sgd", "--world-sizes", "2", "--skew", "0.5"],
             ["skew and rebalance", "not of local_sgd", "set strategy='ddp' or 'ddp_naive'"],

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from .. import registry
 from ..config import RunConfig
 from ..flags import add_config_arguments, config_from_args
 from ..registry import SYNC_ASYNC
@@ -158,9 +159,12 @@ def cmd_check(args) -> int:
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
     names = csv(args.strategies, flag="--strategies")
-    # the flags are validated against the first strategy checked (a knob such as --tp or
-    # --comm-hook belongs to it, not to the single-device reference, which drops them)
+    # the flags are validated against the first strategy checked (a knob such as --comm-hook
+    # belongs to it, not to the single-device reference, which drops it), or with --tp the
+    # first that splits layers (the others drop it: equivalence.config_for)
     first = next((s for s in names if s != "single"), "single")
+    if args.tp is not None or args.sequence_parallel:
+        first = next((s for s in names if "tp" in registry.get(s).knobs), first)
     base = config_from_args(
         args, strategy=first, world_size=world_size_for(first, args.world_size, args.stages)
     )
