@@ -129,3 +129,27 @@ def test_a_panel_trains_your_own_model():
     assert panel.error is None and "done" in panel.status.value
     sent = panel.records.groupby("world_size")["comm_bytes"].unique()  # counted on the wire
     assert list(sent[2]) == [4 * (32 * 7 + 7 + 7 * 10 + 10)] and list(sent[1]) == [0]
+
+
+def test_layout_panel_maps_degrees_to_strategies_and_keeps_each_run_apart():
+    from labkit.widgets import layout_panel
+    from labkit.widgets.layout_panel import layout_strategy
+
+    assert [layout_strategy(*d) for d in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2),
+                                          (2, 1, 2))] == [
+        "single", "ddp", "tp", "dp_tp", "pipeline_1f1b", "dp_pp"]  # fmt: skip
+    panel = layout_panel(RunConfig(strategy="tp", model="transformer", width=32, steps=3))
+    panel.stages.value = 2  # tensor and pipeline together: refused before anything runs
+    assert "cannot run: tensor and pipeline" in panel.status.value and panel.run_button.disabled
+    panel.stages.value = 1
+    assert panel.sp.disabled is False
+    panel.model.value = "mlp"  # sequence parallelism needs a sequence
+    assert panel.sp.disabled and panel.sp.value is False
+    panel.model.value = "transformer"
+    for _ in range(2):  # the same configuration twice: two rows, never pooled
+        assert panel.run() is not None, panel.error
+    table = panel.table()
+    assert list(table["run"]) == [1, 2] and set(table["strategy"]) == {"tp"}
+    assert table["MB_sent_per_rank_step"].nunique() == 1  # the same bytes, counted per run
+    assert "2 run(s) in the table, one row each" in panel.status.value
+    assert PLOTLY in shown(panel)

@@ -5,6 +5,7 @@ from .balance_panel import BalancePanel, balance_panel
 from .base import BackgroundRun, mime_output
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
 from .elastic_panel import ElasticPanel, elastic_panel
+from .layout_panel import AdvisorPanel, LayoutPanel, advisor_panel, layout_panel
 from .memory_panel import MemoryPanel, memory_panel
 from .pipeline_panel import PipelinePanel, last_step_events, pipeline_panel
 from .run_panel import RunPanel, run_panel, world_sizes_upto
@@ -33,4 +34,8 @@ __all__ = [
     "elastic_panel",
     "SchedPanel",
     "sched_panel",
+    "LayoutPanel",
+    "layout_panel",
+    "AdvisorPanel",
+    "advisor_panel",
 ]

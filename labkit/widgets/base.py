@@ -15,6 +15,11 @@ ipywidgets 8.1.9, plotly 7.1, in headless Chromium 156):
   restores it after every cell and every click), so a run in a thread never hears it. The panel
   wraps the handler ipykernel restores (``kernel.saved_sigint_handler``): on SIGINT it stops
   every running panel, then does what ipykernel would have done.
+* JupyterLab 4.6 sends widget messages over kernel subshells (``commsOverSubshells``), and a
+  button whose state a message changed (Run disabled by "cannot run", then enabled) delivers its
+  clicks on a ``subshell-...`` thread. Python installs signal handlers only from the main thread,
+  so the wrapper above is installed when the panel is built (in a cell, on the main thread),
+  never lazily in a click.
 """
 
 from __future__ import annotations
@@ -99,6 +104,9 @@ class BackgroundRun:
         self.status, self.bars, self.out = W.HTML(), W.VBox(), W.Output()
         self.run_button.on_click(lambda _: self.start())
         self.stop_button.on_click(lambda _: self.stop("the Stop button"))
+        # now, while a cell runs on the kernel's main thread: a click may arrive on a subshell
+        # thread, where Python cannot install a signal handler (see the module docstring)
+        _listen_for_interrupt()
 
     def layout(self) -> W.Widget:
         buttons = W.VBox([self.run_button, self.stop_button])
