@@ -222,6 +222,26 @@ def config_label(cfg: RunConfig) -> str:
     )
 
 
+def kept_apart(finished: list[pd.DataFrame]) -> pd.DataFrame:
+    """The records of several runs in one table, each run its own: a run whose name repeats an
+    earlier one's (the same strategy, world size, threads and variant) gets "repeat 2", "repeat
+    3", ... in its variant, so no table or chart pools two runs' steps into one row."""
+    seen: dict[tuple, int] = {}
+    frames = []
+    for df in finished:
+        if df.empty:
+            continue
+        row = df.iloc[0]
+        v = row.get("variant", "")
+        v = v if isinstance(v, str) else ""
+        key = (row["strategy"], int(row["world_size"]), row.get("threads", 1), v)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > 1:
+            df = df.assign(variant=", ".join(filter(None, [v, f"repeat {seen[key]}"])))
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 def _runs(records: pd.DataFrame):
     keys = ["strategy", "world_size"] + [k for k in ("threads", "variant") if k in records]
     if "variant" in records:

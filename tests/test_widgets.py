@@ -153,3 +153,18 @@ def test_layout_panel_maps_degrees_to_strategies_and_keeps_each_run_apart():
     assert table["MB_sent_per_rank_step"].nunique() == 1  # the same bytes, counted per run
     assert "2 run(s) in the table, one row each" in panel.status.value
     assert PLOTLY in shown(panel)
+
+
+def test_the_same_configuration_run_three_times_is_three_rows_not_one_pooled_run():
+    # before: samples/s 88k -> 176k -> 221k and "1 run(s)": three runs' steps pooled in one row
+    from labkit.sync_async import to_target
+    from labkit.widgets import sync_panel
+
+    panel = sync_panel(SMALL.replace(steps=10))
+    panel.modes.value = ("ddp",)
+    for _ in range(3):
+        assert panel.run() is not None, panel.error
+    table = to_target(panel.records, float("inf"))
+    assert list(table["run"]) == ["ddp@2", "ddp@2 repeat 2", "ddp@2 repeat 3"], table
+    assert (panel.records.groupby("variant")["step"].nunique() == 10).all()  # each its own steps
+    assert "3 run(s) in the table" in panel.status.value

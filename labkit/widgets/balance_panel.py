@@ -12,7 +12,7 @@ import pandas as pd
 from .. import experiment, report
 from ..config import REBALANCE, RunConfig
 from ..plots import balance as charts
-from ..records import config_label, summarize
+from ..records import config_label, kept_apart, summarize
 from .base import BackgroundRun
 
 
@@ -72,7 +72,7 @@ class BalancePanel(BackgroundRun):
 
     @property
     def records(self) -> pd.DataFrame | None:
-        return pd.concat(self.finished, ignore_index=True) if self.finished else None
+        return kept_apart(self.finished) if self.finished else None
 
     @property
     def table(self) -> pd.DataFrame | None:

@@ -12,7 +12,7 @@ import pandas as pd
 from .. import experiment, sync_async
 from ..config import RunConfig
 from ..plots import sync_async as charts
-from ..records import config_label
+from ..records import config_label, kept_apart
 from ..registry import SYNC_ASYNC
 from .base import BackgroundRun
 
@@ -76,7 +76,7 @@ class SyncPanel(BackgroundRun):
 
     @property
     def records(self) -> pd.DataFrame | None:
-        return pd.concat(self.finished, ignore_index=True) if self.finished else None
+        return kept_apart(self.finished) if self.finished else None
 
     def partial(self) -> pd.DataFrame | None:
         return self.records
