@@ -55,13 +55,16 @@ def bandwidth(
                     line={"color": color, "dash": "dash"},
                 )
             )
-    for name, gbps in (ceilings or {}).items():
-        fig.add_hline(
-            y=gbps,
-            line_dash="dot",
-            line_color="gray",
-            annotation_text=f"{name} {gbps:.1f} GB/s",
-            annotation_position="top left",
+    span = [table["bytes"].min(), table["bytes"].max()] if len(table) else [1, 2]
+    for name, gbps in (ceilings or {}).items():  # traces, not add_hline: on a log axis a line's
+        fig.add_trace(  # annotation is placed in log10 units and stretched the axis to 10^32
+            go.Scatter(
+                x=span,
+                y=[gbps, gbps],
+                mode="lines",
+                name=f"ceiling: {name} {gbps:.1f} GB/s",
+                line={"color": "gray", "dash": "dot"},
+            )
         )
     n = int(table["world_size"].iloc[0]) if len(table) else 0
     backend = table["backend"].iloc[0] if len(table) else ""

@@ -50,7 +50,7 @@ def policy_bars(
         fig.add_trace(
             go.Bar(
                 x=table["policy"],
-                y=table[m] / _hours(1, unit) if m.endswith("_s") else table[m],
+                y=_hours(table[m], unit) if m.endswith("_s") else table[m],  # seconds to unit
                 name=m.replace("_s", f" ({unit})").replace("_", " "),
                 marker_color=COLORS[i % len(COLORS)],
             )
