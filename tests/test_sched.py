@@ -45,6 +45,75 @@ def test_srtf_preempts_the_longer_job():
     assert [j.restarts for j in res.jobs] == [1, 0, 0]
 
 
+def test_srtf_with_two_running_jobs_preempts_the_one_with_most_left_now():
+    # 2 GPUs. A (0 s, 10 s) and B (5 s, 8 s) run; C (6 s, 5 s) arrives: at 6, A has 4 s left
+    # and B 7 s, so C evicts B. Exact preemptive SRPT: A 10, C 11, B 17 (JCTs 10, 12, 5).
+    jobs = [job(0, 0, 1, 10), job(1, 5, 1, 8), job(2, 6, 1, 5)]
+    got, res = run(jobs, "1x2", "srtf")
+    assert {j.job_id: j.finish_s for j in res.jobs} == {0: 10, 1: 17, 2: 11}, got
+    assert [j.restarts for j in res.jobs] == [0, 1, 0]
+
+
+def srpt_reference(arrivals, sizes, servers: int) -> list[float]:
+    """Exact preemptive shortest-remaining-processing-time on ``servers`` identical servers,
+    stepped from event to event: at every moment the ``servers`` jobs with the least remaining
+    work run (ties: arrival order). Written apart from labkit's simulator, as the reference."""
+    n, t, left = len(sizes), 0.0, list(sizes)
+    done, finish = [False] * n, [0.0] * n
+    while not all(done):
+        present = [i for i in range(n) if arrivals[i] <= t + 1e-12 and not done[i]]
+        running = sorted(present, key=lambda i: (left[i], arrivals[i], i))[:servers]
+        future = [a for a in arrivals if a > t + 1e-12]
+        step = min([left[i] for i in running] + [min(future) - t] if future else
+                   [left[i] for i in running])  # fmt: skip
+        if not running:
+            t = min(future)
+            continue
+        for i in running:
+            left[i] -= step
+        t += step
+        for i in running:
+            if left[i] <= 1e-9:
+                done[i], finish[i] = True, t
+    return finish
+
+
+def test_srtf_equals_exact_srpt_on_several_servers():
+    import random
+
+    rng = random.Random(7)
+    t, arrivals, sizes = 0.0, [], []
+    for _ in range(300):  # M/M/4 at load 0.9: jobs queue and preempt each other often
+        t += rng.expovariate(4 * 0.9)
+        arrivals.append(round(t, 3))
+        sizes.append(round(rng.expovariate(1.0), 3) + 0.001)
+    want = srpt_reference(arrivals, sizes, servers=4)
+    jobs = [job(i, a, 1, d) for i, (a, d) in enumerate(zip(arrivals, sizes))]
+    res = sim.simulate(jobs, "1x4", "srtf")
+    got = [j.finish_s for j in sorted(res.jobs, key=lambda j: j.job_id)]
+    assert got == pytest.approx(want, abs=1e-6)
+
+
+def test_priority_does_not_evict_its_own_priority():
+    # all priority 0: job 1 (2 GPUs) waits for job 0 and job 2 as under FIFO; before, it
+    # evicted job 2 (which had arrived after it) and finished at 15 instead of 107
+    jobs = [job(0, 0, 1, 10), job(1, 1, 2, 5), job(2, 2, 1, 100)]
+    fifo, _ = run(jobs, "1x2", "fifo")
+    got, res = run(jobs, "1x2", "priority")
+    assert {j.job_id: j.finish_s for j in res.jobs} == {0: 10, 1: 107, 2: 102}
+    assert got == fifo and sum(j.restarts for j in res.jobs) == 0
+
+
+def test_one_priority_level_is_fifo_on_a_loaded_trace():
+    jobs = traces.generate(400, seed=3, rate_per_hour=60.0)  # priority 0 throughout
+    assert {j.priority for j in jobs} == {0}
+    fifo = sim.simulate(jobs, "2x8", "fifo").metrics()
+    prio = sim.simulate(jobs, "2x8", "priority").metrics()
+    assert fifo["mean_queue_s"] > 0  # loaded: jobs do wait
+    assert prio["mean_jct_s"] == pytest.approx(fifo["mean_jct_s"])
+    assert prio["restarts_per_job"] == 0
+
+
 def test_priority_preempts_and_charges_the_restart():
     jobs = [job(0, 0, 2, 10, restart_s=1.0), job(1, 2, 1, 4, priority=1), job(2, 3, 1, 2)]
     got, res = run(jobs, "1x2", "priority")

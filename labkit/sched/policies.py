@@ -16,8 +16,8 @@ Policies (the papers they follow, in the simplified form a teaching simulator ca
 
 ``fifo``       arrival order, never preempts.
 ``srtf``       shortest remaining time (at the requested size) first, preemptive.
-``priority``   higher ``priority`` first, then arrival; preemptive (a high-priority arrival
-               evicts the most recent low-priority jobs).
+``priority``   higher ``priority`` first, then arrival; preemptive (an arrival evicts the most
+               recent jobs of strictly lower priority; within one priority it is FIFO).
 ``las``        Tiresias' discretised two-dimensional least attained service (Gu et al.,
                NSDI'19): a job's attained service is GPUs x seconds it has held; queues split at
                ``thresholds`` (GPU-seconds; default 0.5, 5 and 50 GPU-hours: with a single
@@ -54,6 +54,15 @@ class Policy:
         """Rank of job state ``s`` at ``now``: smaller runs first."""
         raise NotImplementedError
 
+    def running_key(self, s, now: float) -> tuple:
+        """A key that orders *running* jobs as ``key`` will at any later moment while they run
+        (the simulator keeps running jobs in a heap and does not re-key them as time passes)."""
+        return self.key(s, now)
+
+    def evicts(self, key: tuple, victim: tuple) -> bool:
+        """Whether a waiting job ranked ``key`` may take a running job's GPUs (its ``key``)."""
+        return key < victim
+
     def level(self, gpu_s: float) -> int:
         gpu_s += 1e-9 * (1 + gpu_s)  # at a boundary (up to rounding): the next queue
         return sum(gpu_s >= t for t in self.thresholds)
@@ -77,6 +86,12 @@ class SRTF(Policy):
     def key(self, s, now):
         return (s.remaining_alone_s(now), s.job.arrival_s, s.job.job_id)
 
+    def running_key(self, s, now):
+        # every running job's remaining time shrinks one second per second (once it is ready),
+        # so the order of their remaining times is the order of their finish times
+        finish = max(now, s.ready_t) + s.remaining_alone_s(now)
+        return (finish, s.job.arrival_s, s.job.job_id)
+
 
 class Priority(Policy):
     def __init__(self):
@@ -84,6 +99,9 @@ class Priority(Policy):
 
     def key(self, s, now):
         return (-s.job.priority, s.job.arrival_s, s.job.job_id)
+
+    def evicts(self, key, victim):
+        return key[0] < victim[0]  # only a strictly higher priority; its own level is FIFO
 
 
 class LAS(Policy):
@@ -122,6 +140,9 @@ class Elastic(Policy):
 
     def key(self, s, now):
         return (-s.job.priority, s.job.arrival_s, s.job.job_id)
+
+    def evicts(self, key, victim):
+        return key[0] < victim[0]  # only a strictly higher priority; its own level is FIFO
 
 
 POLICIES = {

@@ -319,7 +319,7 @@ class Simulator:
             v = self.pop_worst_running()
             if v is None:
                 break
-            if not key < self.policy.key(v, now):
+            if not self.policy.evicts(key, self.policy.key(v, now)):
                 self.push_running(v, now)
                 break
             victims.append(v)
@@ -415,7 +415,9 @@ class Simulator:
         self.push_running(s, now)
 
     def push_running(self, s: _State, now: float) -> None:
-        heapq.heappush(self.running, (_Rev(self.policy.key(s, now)), s.job.job_id, s.version))
+        heapq.heappush(
+            self.running, (_Rev(self.policy.running_key(s, now)), s.job.job_id, s.version)
+        )
 
     def stop(self, s: _State, now: float) -> None:
         s.settle(now)
