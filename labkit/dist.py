@@ -127,6 +127,8 @@ def session(
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     dev = _device_for(local_rank, device, local_world)
     backend = backend or default_backend(dev.type)
+    if store is None:
+        store = agent_store(world_size, timeout_s)
     init = None if store is not None else "env://"
     _init(
         backend,
@@ -147,6 +149,46 @@ def session(
         # Collect while Python is still fully alive, then destroy.
         gc.collect()
         cleanup()
+
+
+def agent_store(world_size: int, timeout_s: float) -> dist.Store | None:
+    """Under torchrun with the agent's store shared (torch's default), that store with keys of
+    this attempt's own: a PrefixStore named after the agent's restart count (None elsewhere).
+
+    The agent keeps one TCP store for the whole job and hands it to every attempt's workers.
+    After a worker dies and the agent restarts the group, the new ranks publish their addresses
+    under the same keys the dead ones used; a rank that reads a peer's key before the peer has
+    rewritten it connects to a closed port (gloo: "connectFullMesh failed ... Connection
+    refused", 4 of 7 restarts here, 0 of 5 with these keys). On one node every worker of an
+    attempt has the same restart count; across nodes the counts can differ (only the failed
+    node's agent counts the restart), so ``refuse_shared_store_restarts`` stops that case."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    raw = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"labkit/{run_id}/restart{restart}", raw)
+
+
+def refuse_shared_store_restarts() -> None:
+    """Several torchrun nodes, restarts allowed and the agent's store shared: a restart would
+    give the nodes' workers different keys (see ``agent_store``), so say what to set instead."""
+    env = os.environ
+    if (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+        and int(env.get("GROUP_WORLD_SIZE", "1")) > 1
+    ):
+        raise ValueError(
+            "several nodes with --max-restarts need a store per rendezvous round: start "
+            "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+        )
 
 
 def _device_for(local_rank: int, device: str, local_world: int) -> torch.device:

@@ -21,7 +21,7 @@ import torch
 from . import registry
 from .cli.common import writable
 from .config import RunConfig
-from .dist import gather_to_main, session
+from .dist import gather_to_main, refuse_shared_store_restarts, session
 from .env import cpu_cores, oversubscription
 from .flags import add_config_arguments, config_from_args
 from .rank.resume import read_timeline
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:  # every rank checks; only rank 0 says it, once
         cfg = _config(args, world_size)
+        refuse_shared_store_restarts()
         writable("--out", args.out)
         writable("--trace", args.trace)
     except ValueError as exc:
