@@ -318,3 +318,13 @@ def test_cli_comm_writes_json_and_refuses_bad_ops(tmp_path):
         timeout=120,
     )
     assert flag.returncode == 2 and "--accumulate" in flag.stderr
+
+
+def test_the_table_reports_the_bytes_really_sent_not_the_request():
+    # the message is a whole number of float32 elements per rank: at 3 ranks a 1 KiB request
+    # sends 1,020 B and at 8 ranks a 16 B request 32 B; algbw is computed from what was sent
+    assert comm.message_numel(3, 1024) * 4 == 1020 and comm.message_numel(8, 16) * 4 == 32
+    table, _ = comm.benchmark(3, ["all_reduce"], [1024], repeats=2, ceilings=False)
+    row = table.iloc[0]
+    assert row["bytes"] == 1020
+    assert row["algbw"] == pytest.approx(1020 / row["time_s"] / 1e9)
