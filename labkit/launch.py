@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -163,7 +164,8 @@ def launch(
                 daemon=True,
                 args=(payload, rank, spec, writer, life_r, dumps[rank]),
             )
-            p.start()
+            with _main_importable_or_hidden():
+                p.start()
             writer.close()  # the parent keeps only the read end: EOF means gone
             procs.append(p)
             conns[reader] = rank
@@ -238,6 +240,26 @@ def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
                     exitcode=code,
                 )
     return [results[r] for r in range(world_size)]
+
+
+@contextmanager
+def _main_importable_or_hidden():
+    """multiprocessing re-imports the caller's main module in every new process from its
+    ``__file__``; a script read from standard input (``python - <<EOF``) has ``'<stdin>'`` there,
+    a file no rank can open, and every rank died before running anything. Ranks do not need the
+    main module (functions travel by value: ``_pack``), so hide a ``__file__`` that is not a
+    file while the processes start."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    named = getattr(getattr(main, "__spec__", None), "name", None)
+    if path is None or named is not None or os.path.isfile(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _root_cause(rank, text, procs, sentinels, results) -> RankError:

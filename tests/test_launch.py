@@ -601,3 +601,21 @@ def test_from_a_jupyter_kernel_launch_and_interrupt(kernel, tmp_path):
     assert reply["status"] == "ok", out
     assert "LEFT 0" in out
     assert "AGAIN [(0, 2, 1, True), (1, 2, 2, True)]" in out
+
+
+def test_a_script_read_from_standard_input_launches_ranks():
+    # python - <<EOF: the main module's __file__ is '<stdin>', which every rank tried to import
+    # (FileNotFoundError in every rank, and advice about a __main__ guard that did not apply)
+    script = (
+        "import torch, torch.distributed as dist, labkit\n"
+        "def f(ctx):\n"
+        "    t = torch.ones(1) * (ctx.rank + 1)\n"
+        "    dist.all_reduce(t)\n"
+        "    return t.item()\n"
+        "print(labkit.launch(f, world_size=2))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-"], input=script, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[3.0, 3.0]"
