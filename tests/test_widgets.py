@@ -168,3 +168,22 @@ def test_the_same_configuration_run_three_times_is_three_rows_not_one_pooled_run
     assert list(table["run"]) == ["ddp@2", "ddp@2 repeat 2", "ddp@2 repeat 3"], table
     assert (panel.records.groupby("variant")["step"].nunique() == 10).all()  # each its own steps
     assert "3 run(s) in the table" in panel.status.value
+
+
+def test_save_trace_writes_the_last_run_as_a_chrome_trace(tmp_path, monkeypatch):
+    from labkit.widgets import layout_panel, sched_panel
+
+    monkeypatch.chdir(tmp_path)
+    panel = layout_panel(RunConfig(strategy="tp", model="transformer", width=32, steps=3))
+    assert panel.trace_button.disabled  # nothing ran yet
+    assert panel.run() is not None, panel.error
+    assert not panel.trace_button.disabled
+    panel.trace_button.click()
+    saved = list((tmp_path / "traces").glob("labkit-*.json"))
+    assert len(saved) == 1 and str(saved[0].relative_to(tmp_path)) in panel.status.value
+    trace = json.loads(saved[0].read_text())
+    ranks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert ranks == {"rank 0", "rank 1"}
+    steps = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert steps and all(e["dur"] >= 0 for e in steps)
+    assert sched_panel().trace_button.layout.display == "none"  # a simulation has no ranks

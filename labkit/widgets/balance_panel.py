@@ -81,6 +81,9 @@ class BalancePanel(BackgroundRun):
     def partial(self) -> pd.DataFrame | None:
         return self.records
 
+    def last_records(self) -> pd.DataFrame | None:
+        return self.finished[-1] if self.finished else None
+
     def render(self, records: pd.DataFrame) -> list:
         table = summarize(records)
         note = report.busy_note(table)

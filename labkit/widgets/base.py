@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import signal
 import threading
+import time
 from typing import Any
 
 import ipywidgets as W
@@ -102,14 +104,23 @@ class BackgroundRun:
         self.run_button = W.Button(description="Run", button_style="primary", icon="play")
         self.stop_button = W.Button(description="Stop", icon="stop", disabled=True)
         self.status, self.bars, self.out = W.HTML(), W.VBox(), W.Output()
+        self.trace_button = W.Button(
+            description="Save trace",
+            icon="download",
+            disabled=True,
+            tooltip="the last run as a Chrome trace (Perfetto, chrome://tracing)",
+        )
+        if type(self).last_records is BackgroundRun.last_records:  # nothing a trace could show
+            self.trace_button.layout.display = "none"
         self.run_button.on_click(lambda _: self.start())
         self.stop_button.on_click(lambda _: self.stop("the Stop button"))
+        self.trace_button.on_click(lambda _: self.save_trace())
         # now, while a cell runs on the kernel's main thread: a click may arrive on a subshell
         # thread, where Python cannot install a signal handler (see the module docstring)
         _listen_for_interrupt()
 
     def layout(self) -> W.Widget:
-        buttons = W.VBox([self.run_button, self.stop_button])
+        buttons = W.VBox([self.run_button, self.stop_button, self.trace_button])
         return W.VBox([W.HBox([self.controls, buttons]), self.status, self.bars, self.out])
 
     def _ipython_display_(self):  # a panel as a cell's last line shows the widget
@@ -164,6 +175,7 @@ class BackgroundRun:
             results = self.execute(self._cancel)
             self.show(*self.render(results))
             self.status.value = self.done_message(results)
+            self.trace_button.disabled = self.last_records() is None
             return results
         except LaunchCancelled:
             kept = self.partial()
@@ -193,6 +205,26 @@ class BackgroundRun:
             return
         self.run_button.disabled = bool(self._thread and self._thread.is_alive())
         self.status.value = f"ready: {plan}" + note
+
+    def save_trace(self, path: str | None = None) -> str | None:
+        """Write the last run's records as a Chrome trace (``labkit.trace``; the Save trace
+        button, into ``traces/`` beside the notebook); say where in the status line."""
+        from ..trace import to_chrome_trace
+
+        records = self.last_records()
+        if records is None or records.empty:
+            self.status.value = "no finished run to save: press Run first"
+            return None
+        if path is None:
+            os.makedirs("traces", exist_ok=True)
+            path = os.path.join("traces", f"labkit-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        trace = to_chrome_trace(records, path)
+        self.status.value = (
+            f"saved the last run's trace ({len(trace['traceEvents'])} events) to "
+            f"<code>{html.escape(path)}</code>: open it in https://ui.perfetto.dev or "
+            f"chrome://tracing"
+        )
+        return path
 
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -235,6 +267,11 @@ class BackgroundRun:
 
     def partial(self):
         """What finished before a Stop (None: nothing)."""
+        return None
+
+    def last_records(self) -> pd.DataFrame | None:
+        """The per-rank records of the last run, for Save trace (panels that train override
+        this; the button is hidden on the others)."""
         return None
 
     def done_message(self, results) -> str:

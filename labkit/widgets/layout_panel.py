@@ -47,6 +47,7 @@ class LayoutPanel(BackgroundRun):
         self.base = base
         self.device = probe().device
         self.runs: list[dict] = []  # one row per finished run, in the order they ran
+        self.result: experiment.RunResult | None = None
         self.figure = None
         style = {"description_width": "initial"}
 
@@ -116,7 +117,11 @@ class LayoutPanel(BackgroundRun):
 
         result = experiment.run(cfg, on_progress=progress, cancel=cancel)
         self.runs.append(self.row(result))
+        self.result = result
         return result
+
+    def last_records(self) -> pd.DataFrame | None:
+        return self.result.records if self.result is not None else None
 
     def row(self, result: experiment.RunResult) -> dict:
         """One run's row: its layout, median step and bytes per rank per step (largest rank)."""

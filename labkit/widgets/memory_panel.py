@@ -158,6 +158,9 @@ class MemoryPanel(BackgroundRun):
         self.finished.append((self.label(cfg), cfg, res.records, err))
         return self.finished[-1]
 
+    def last_records(self) -> pd.DataFrame | None:
+        return self.finished[-1][2] if self.finished else None
+
     @property
     def table(self) -> pd.DataFrame:
         """Every measured run: counted MiB per category (largest rank) and the worst error."""

@@ -103,6 +103,9 @@ class PipelinePanel(BackgroundRun):
         )
         return [notes, self.figure] if notes else [self.figure]
 
+    def last_records(self):
+        return self.result.records if self.result is not None else None
+
     def bubble(self) -> float:
         """Median over steps of the stages' mean idle share in the last run."""
         return float(step_bubbles(self.result.records).median())

@@ -108,6 +108,9 @@ class RunPanel(BackgroundRun):
         self.table = summarize(self.records)
         return self.records
 
+    def last_records(self) -> pd.DataFrame | None:
+        return self.records
+
     def render(self, records: pd.DataFrame) -> list:
         table = summarize(records)
         note = report.busy_note(table)

@@ -81,6 +81,9 @@ class SyncPanel(BackgroundRun):
     def partial(self) -> pd.DataFrame | None:
         return self.records
 
+    def last_records(self) -> pd.DataFrame | None:
+        return self.finished[-1] if self.finished else None
+
     def table(self, records: pd.DataFrame) -> tuple[pd.DataFrame, float]:
         target = sync_async.default_target(records)
         return sync_async.to_target(records, target), target
