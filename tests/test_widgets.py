@@ -187,3 +187,29 @@ def test_save_trace_writes_the_last_run_as_a_chrome_trace(tmp_path, monkeypatch)
     steps = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     assert steps and all(e["dur"] >= 0 for e in steps)
     assert sched_panel().trace_button.layout.display == "none"  # a simulation has no ranks
+
+
+def test_ready_line_warns_before_a_run_that_oversubscribes_the_cores():
+    from labkit.env import cpu_cores
+    from labkit.widgets import memory_panel
+
+    panel = pipeline_panel()
+    panel.stages.value = 4
+    said = "time-share the cores" in panel.status.value
+    assert said == (probe().device == "cpu" and cpu_cores() < 4), panel.status.value
+    memory = memory_panel()
+    memory.world.value = 1
+    assert "time-share the cores" not in memory.status.value
+
+
+def test_stopping_a_simulation_does_not_claim_to_terminate_ranks():
+    from labkit.widgets import sched_panel
+
+    panel = sched_panel()
+    panel.jobs.value = panel.jobs.max  # long enough to be stopped midway
+    panel.start()
+    time.sleep(0.3)
+    panel.stop("the Stop button")
+    panel.wait(30)
+    assert "stopped</b> by the Stop button: the simulation was abandoned" in panel.status.value
+    assert "rank" not in panel.status.value

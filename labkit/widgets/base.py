@@ -35,6 +35,7 @@ from typing import Any
 import ipywidgets as W
 import pandas as pd
 
+from ..env import oversubscription
 from ..launch import LaunchCancelled
 
 _RUNNING: set[BackgroundRun] = set()  # panels with a run under way (for the interrupt)
@@ -67,6 +68,12 @@ def _listen_for_interrupt() -> None:
     _LISTENING = True
 
 
+def _cpu_ranks() -> bool:
+    from ..env import probe
+
+    return probe().device == "cpu"
+
+
 def mime_output(obj: Any) -> dict:
     """One display_data output for an Output widget's ``outputs`` trait."""
     if hasattr(obj, "to_plotly_json"):  # a plotly figure
@@ -95,6 +102,7 @@ class BackgroundRun:
     fix), ``execute(cancel)`` (run, return results) and ``render(results)`` (what to draw)."""
 
     controls: W.Widget
+    stopped_what = "every rank was terminated"  # what a Stop ended, said in the status line
 
     def __init__(self):
         self.error: BaseException | None = None
@@ -182,8 +190,8 @@ class BackgroundRun:
             if kept is not None:  # runs that finished are never thrown away
                 self.show(*self.render(kept))
             self.status.value = (
-                f"<b>stopped</b> by {self.stopped_by or 'Stop'}: every rank was "
-                f"terminated{'; showing the runs that had finished' if kept is not None else ''}"
+                f"<b>stopped</b> by {self.stopped_by or 'Stop'}: {self.stopped_what}"
+                f"{'; showing the runs that had finished' if kept is not None else ''}"
             )
         except Exception as exc:  # shown in the panel; kept for the caller
             self._fail(exc)
@@ -204,7 +212,18 @@ class BackgroundRun:
             )
             return
         self.run_button.disabled = bool(self._thread and self._thread.is_alive())
+        ranks = self.planned_ranks()
+        warn = oversubscription(ranks) if ranks and not note and _cpu_ranks() else None
+        note = note or (f"<br><span style='color:#b00'>{warn}</span>" if warn else "")
         self.status.value = f"ready: {plan}" + note
+
+    def planned_ranks(self) -> int | None:
+        """Processes the next Run starts at once: above the cores, the ready line says that
+        timings will not be real parallelism (None: the panel says it itself, or cannot)."""
+        config = getattr(self, "config", None)
+        return config().ranks if callable(config) and self.warns_oversubscription else None
+
+    warns_oversubscription = True
 
     def save_trace(self, path: str | None = None) -> str | None:
         """Write the last run's records as a Chrome trace (``labkit.trace``; the Save trace

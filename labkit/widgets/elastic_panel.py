@@ -21,6 +21,8 @@ class ElasticPanel(BackgroundRun):
     """Steps, checkpoint interval and the most nodes; Add node / Remove node / Kill a worker
     act on the running job."""
 
+    warns_oversubscription = False  # torchrun agents: its ranks come and go while it runs
+
     def __init__(self, base: RunConfig, max_nodes: int = 2, redraw_s: float = 1.0):
         super().__init__()
         self.base, self.redraw_s, self.job = base.replace(strategy="ddp"), redraw_s, None

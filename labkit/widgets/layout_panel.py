@@ -19,7 +19,6 @@ import pandas as pd
 
 from .. import experiment
 from ..config import RunConfig
-from ..env import oversubscription, probe
 from ..plots import tensor_parallel as charts
 from ..records import LiveLoss, summarize
 from .base import BackgroundRun, mime_output
@@ -45,7 +44,6 @@ class LayoutPanel(BackgroundRun):
     def __init__(self, base: RunConfig, max_degree: int = 4):
         super().__init__()
         self.base = base
-        self.device = probe().device
         self.runs: list[dict] = []  # one row per finished run, in the order they ran
         self.result: experiment.RunResult | None = None
         self.figure = None
@@ -98,9 +96,7 @@ class LayoutPanel(BackgroundRun):
         self.sp.disabled = self.tp.value == 1 or self.model.value != "transformer"
         if self.sp.disabled:
             self.sp.value = False
-        ranks = self.dp.value * self.tp.value * self.stages.value
-        warn = oversubscription(ranks) if self.device == "cpu" else None
-        self.check_controls(f"<br><span style='color:#b00'>{warn}</span>" if warn else "")
+        self.check_controls()  # with the oversubscription warning above the cores
 
     def execute(self, cancel: threading.Event) -> experiment.RunResult:
         cfg = self.config()

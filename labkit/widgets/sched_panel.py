@@ -19,6 +19,8 @@ from .base import BackgroundRun
 class SchedPanel(BackgroundRun):
     """Sliders for the trace and cluster, a multi-select of policies; each Run re-simulates."""
 
+    stopped_what = "the simulation was abandoned (no processes: it runs in this kernel)"
+
     def __init__(
         self,
         jobs: int = 300,
