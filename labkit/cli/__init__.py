@@ -9,7 +9,7 @@ import argparse
 import sys
 import warnings
 
-from . import comm, run, schedule
+from . import comm, layout, run, schedule
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parsers(sub)
     comm.add_parser(sub)
     schedule.add_parser(sub)
+    layout.add_parser(sub)
     return parser
 
 

@@ -273,3 +273,214 @@ def transformer(
         "activations": layers * per_layer,
         "rest": 0.0,
     }
+
+
+# ---- large transformers under any layout (tensor, pipeline and data parallel, ZeRO) -----------
+#
+# The calculator above traces a real nn.Module. The functions below need no model at all: a
+# GPT-style transformer is described by a handful of numbers (layers L, hidden size h, heads a,
+# sequence length s, vocabulary V, micro-batch b), and its memory per GPU follows from formulas
+# published with Megatron-LM and ZeRO. Bytes are plain numbers (floats): 1 GB = 1e9 bytes.
+
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+STATE_CATEGORIES = ("params", "grads", "optimizer")
+
+
+def parameters(*, layers: int, hidden: int, vocab: int, seq: int) -> int:
+    """Parameters of a GPT-style transformer, as Megatron-LM counts them (Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21):
+
+    * each layer 12*h^2 + 13*h: the attention's QKV (3h^2 + 3h) and output projection (h^2 + h),
+      the MLP's two matrices (4h^2 + 4h and 4h^2 + h), two LayerNorms (2h each);
+    * embeddings V*h (words, tied to the output layer) + s*h (learned positions).
+
+    For h = 4096, L = 36, V = 51200, s = 2048 this is 7.47e9, the paper's "7.5B" model."""
+    h = hidden
+    return layers * (12 * h * h + 13 * h) + vocab * h + seq * h
+
+
+def model_states(
+    psi: float, *, dp: int = 1, zero: int = 0, tp: int = 1, pp: int = 1, optimizer: str = "adam"
+) -> dict:
+    """Bytes per GPU of the model states of ``psi`` parameters, split evenly over ``tp * pp``
+    model-parallel GPUs, in the ZeRO paper's mixed precision (Rajbhandari et al. 2020,
+    arXiv:1910.02054, Section 3.1 and Figure 1): 2 bytes of 16-bit parameters, 2 of 16-bit
+    gradients and K of optimizer state per parameter (Adam: K = 12, the fp32 master copy,
+    momentum and variance). ZeRO then shards them over the ``dp`` data-parallel ranks:
+
+    ======  ======================  ==========================
+    stage   sharded over dp         bytes per GPU (Figure 1)
+    ======  ======================  ==========================
+    0       nothing (plain DP)      (2 + 2 + K) * psi
+    1       optimizer state (P_os)  (2 + 2) * psi + K * psi / dp
+    2       + gradients (P_os+g)    2 * psi + (2 + K) * psi / dp
+    3       + parameters (+p)       (2 + 2 + K) * psi / dp
+    ======  ======================  ==========================
+
+    Figure 1's example, psi = 7.5e9, dp = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
+    _check_layout_knobs(dp=dp, zero=zero, tp=tp, pp=pp, optimizer=optimizer)
+    return _states(psi / (tp * pp), dp, zero, _k(optimizer))
+
+
+def _k(optimizer: str) -> int:
+    """K, bytes of optimizer state per parameter: the optimizer's fp32 state + the fp32 master."""
+    return OPTIMIZERS[optimizer] + 4
+
+
+def _states(psi_gpu: float, dp: int, zero: int, k: int) -> dict:
+    """ZeRO's sharding of ``psi_gpu`` parameters' states over ``dp`` ranks (see model_states)."""
+    return {
+        "params": 2 * psi_gpu / (dp if zero >= 3 else 1),
+        "grads": 2 * psi_gpu / (dp if zero >= 2 else 1),
+        "optimizer": k * psi_gpu / (dp if zero >= 1 else 1),
+    }
+
+
+def stage_parameters(
+    *, layers: int, hidden: int, vocab: int, seq: int, tp: int = 1, pp: int = 1
+) -> float:
+    """Parameters one GPU holds on the first pipeline stage (the fullest one) of a ``tp`` x
+    ``pp`` layout. Tensor parallelism (Megatron-LM) splits each layer's weights over ``tp``
+    GPUs, and the word embedding too (vocabulary-parallel: each GPU holds V/tp rows); the
+    position embedding (s*h) is replicated. Pipeline parallelism gives each stage L/pp layers;
+    the first stage also holds the embeddings, the last the tied output layer (a second copy of
+    the word embedding, V*h/tp) and the final LayerNorm (2h): the first stage is the fullest.
+
+    Simplification: a layer's 12h^2 + 13h parameters are all divided by tp; in Megatron-LM the
+    LayerNorms and the row-parallel biases (6h per layer) are replicated on every tp rank,
+    under 0.1 % of a layer for h >= 1024."""
+    per_layer = 12 * hidden * hidden + 13 * hidden
+    return (layers // pp) * per_layer / tp + vocab * hidden / tp + seq * hidden
+
+
+def layer_activations(
+    *,
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
+    """Bytes one transformer layer keeps for backward, for one micro-batch, on one GPU: Table 2
+    of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+    (arXiv:2205.05198), 16-bit activations and 1-byte dropout masks (s sequence, b micro-batch,
+    h hidden, a heads, t tensor-parallel size):
+
+    ==========================  =====================================================
+    no tensor parallelism       s*b*h * (34 + 5*a*s/h)
+    tensor parallel             s*b*h * (10 + 24/t + 5*a*s/(h*t))
+    tensor + sequence parallel  s*b*h/t * (34 + 5*a*s/h)
+    selective recomputation     the same without the 5*a*s/h term
+    full recomputation          2*s*b*h (the layer's input; /t with sequence parallel)
+    ==========================  =====================================================
+
+    The 34 counts the linear layers' inputs, LayerNorm inputs and dropout masks; 5*a*s/h the
+    attention's s x s scores, softmax output and its dropout mask, which grow with s^2 and are
+    what selective recomputation recomputes instead of keeping. Without sequence parallelism
+    the LayerNorms and dropouts (10*s*b*h) are replicated on every tp rank."""
+    _check_recompute(recompute)
+    s, b, h, a, t = seq, micro_batch, hidden, heads, tp
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    attention = 0.0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel or t == 1:
+        return s * b * h / t * (34 + attention)
+    return s * b * h * (10 + 24 / t + attention / t)
+
+
+def transformer_layout(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    vocab: int,
+    micro_batch: int,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    zero: int = 0,
+    recompute: str = "none",
+    optimizer: str = "adam",
+    microbatches_in_flight: int | None = None,
+    sequence_parallel: bool = False,
+) -> dict:
+    """Bytes per GPU (``params``, ``grads``, ``optimizer``, ``activations``, ``total``) of a
+    GPT-style transformer trained with tensor (``tp``), pipeline (``pp``) and data (``dp``)
+    parallelism and a ZeRO stage, in mixed precision (2 + 2 + 12 bytes per parameter with Adam),
+    on the fullest GPU: the first pipeline stage.
+
+    * Model states: the first stage's parameters (``stage_parameters``), sharded by ZeRO over
+      dp (``model_states``).
+    * Activations: ``layer_activations`` (Korthikanti et al. 2022, Table 2) for each of the
+      stage's L/pp layers, times the micro-batches in flight. The rule implemented: under the
+      1F1B schedule stage i holds at most pp - i micro-batches' activations before their
+      backward frees them, so the first stage holds pp of them (``microbatches_in_flight``
+      defaults to pp; pass min(pp, m) with m micro-batches per step, or m for GPipe). As
+      Korthikanti notes, L/pp layers x pp micro-batches = L layers' worth, whatever pp is.
+      With recomputation, the layer whose backward runs also holds its recomputed activations
+      once: one layer's full (or attention) activations are added.
+    * ZeRO-3 gathers each layer's parameters just before computing it and holds that layer's
+      full 16-bit gradient until it is reduce-scattered: 4 bytes per parameter of one layer
+      are added to ``params`` (more if the framework prefetches the next layers).
+    * Left out (as in Table 2): the embedding's dropout mask and the output layer's logits
+      (about s*b*h/t and 4*s*b*V/t bytes on the first and last stage), the framework's own
+      memory (CUDA context, NCCL buffers, fragmentation): the advisor keeps a reserve for it."""
+    _check_layout_knobs(dp=dp, zero=zero, tp=tp, pp=pp, optimizer=optimizer)
+    _check_shape(layers=layers, hidden=hidden, heads=heads, tp=tp, pp=pp)
+    psi = stage_parameters(layers=layers, hidden=hidden, vocab=vocab, seq=seq, tp=tp, pp=pp)
+    out = _states(psi, dp, zero, _k(optimizer))
+    if zero == 3 and dp > 1:  # the layer being computed, gathered: 16-bit weights and grads
+        out["params"] += 4 * (12 * hidden * hidden + 13 * hidden) / tp
+    shape = dict(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp)
+    kept = layer_activations(**shape, sequence_parallel=sequence_parallel, recompute=recompute)
+    in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
+    out["activations"] = (layers // pp) * in_flight * kept + _recomputed_once(
+        shape, sequence_parallel, recompute
+    )
+    out["total"] = sum(out[c] for c in (*STATE_CATEGORIES, "activations"))
+    return out
+
+
+def _recomputed_once(shape: dict, sequence_parallel: bool, recompute: str) -> float:
+    """What one layer's backward rebuilds on top of what it kept: the working set of recompute."""
+    if recompute == "none":
+        return 0.0
+    full = layer_activations(**shape, sequence_parallel=sequence_parallel)
+    kept = layer_activations(**shape, sequence_parallel=sequence_parallel, recompute=recompute)
+    return full - kept
+
+
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+
+
+def _check_layout_knobs(*, dp: int, zero: int, tp: int, pp: int, optimizer: str) -> None:
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _check_shape(*, layers: int, hidden: int, heads: int, tp: int, pp: int) -> None:
+    if hidden % heads:
+        raise ValueError(
+            f"hidden {hidden} does not split into {heads} heads: choose a hidden size that is a "
+            f"multiple of the number of heads (e.g. {heads * max(1, round(hidden / heads))})"
+        )
+    if heads % tp:
+        raise ValueError(
+            f"tp {tp} does not divide the {heads} heads: tensor parallelism gives each GPU "
+            "whole heads; choose tp among the divisors of heads"
+        )
+    if layers % pp:
+        raise ValueError(
+            f"pp {pp} does not divide the {layers} layers: choose pp among the divisors of layers"
+        )
