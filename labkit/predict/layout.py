@@ -466,7 +466,7 @@ def require_fit(layouts: Sequence[Layout]) -> Layout:
     small = min(layouts, key=lambda lay: lay.mem_per_gpu_bytes)
     raise ValueError(
         f"no layout fits in {small.device_memory_bytes / GB:.1f} GB per GPU (device memory "
-        f"less the {RESERVE:.0%} reserve): the smallest, tp {small.tp} x pp {small.pp} x dp "
+        f"less the reserve): the smallest, tp {small.tp} x pp {small.pp} x dp "
         f"{small.dp} ZeRO-{small.zero} with {small.recompute} recomputation, needs "
         f"{small.mem_per_gpu_bytes / GB:.1f} GB: add GPUs, choose a device with more memory, "
         "or a shorter sequence"
