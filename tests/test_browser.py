@@ -502,3 +502,55 @@ def test_scheduling_panel_in_a_browser(lab, browser):
     assert "on 8x8 (64 GPUs)" in shown and "Allocations under fifo" in shown, shown[:800]
     assert not kernel_ranks(lab)
     page.close()
+
+
+def test_tensor_parallel_panels_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(browser, lab, "09_tensor_parallel.ipynb")
+    wait_status(page, r"done: run 1, tp: dp 1 x tp 2 x stages 1 = 2 rank", 10)
+
+    # as a person: data-parallel degree 2 (4 ranks on this machine's cores, said before Run),
+    # Run; the table keeps the first run and adds this one as its own row
+    set_slider(page, "data dp", "2")
+    status = wait_status(page, r"ready: dp_tp: dp 2 x tp 2 x stages 1 = 4 rank", 10)
+    if (psutil.cpu_count() or 1) < 4:
+        assert "time-share the cores" in status, status
+    page.click(".widget-button:has-text('Run')")
+    status = wait_status(page, r"done: run 2, dp_tp", 120)
+    assert "2 run(s) in the table, one row each" in status, status
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-09-after-run.png"), full_page=True)
+    assert "dp1 tp2 pp1" in shown and "dp2 tp2 pp1" in shown, shown[:800]
+
+    # tensor and pipeline together is not a strategy: said before anything runs, Run disabled
+    set_slider(page, "pipeline stages", "2")
+    wait_status(page, r"cannot run: tensor and pipeline parallelism together", 10)
+    assert page.locator(".widget-button:has-text('Run')").first.is_disabled()
+
+    # after that "cannot run", Run's clicks come on a kernel subshell thread (JupyterLab 4.6):
+    # the kernel's Interrupt still stops a long run, every rank with it
+    set_slider(page, "pipeline stages", "1")
+    set_slider(page, "steps", "200")
+    wait_status(page, r"ready: dp_tp: dp 2 x tp 2", 10)
+
+    def interrupt():
+        page.click(".lm-MenuBar-itemLabel:text-is('Kernel')")
+        page.click(".lm-Menu-itemLabel:text-is('Interrupt Kernel')")
+
+    seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')", interrupt)
+    wait_status(page, r"by the kernel's Interrupt", 10)
+    assert seen > 0.02 and time.time() - t0 < 5, (seen, time.time() - t0)
+    time.sleep(1)
+    assert not kernel_ranks(lab)
+
+    # the advisor redraws on a change, with no run: another device, another best layout line
+    selects = page.locator(".widget-dropdown select")
+    before = panel_status(page)
+    selects.nth(1).select_option(label="H100 SXM 80GB")  # device
+    deadline = time.time() + 20
+    while panel_status(page) == before and time.time() < deadline:
+        time.sleep(0.2)
+    page.screenshot(path=str(OUT / "browser-09-advisor.png"), full_page=True)
+    assert panel_status(page) != before and "best: tp" in panel_status(page)
+    assert not kernel_ranks(lab)
+    page.close()
