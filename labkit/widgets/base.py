@@ -37,6 +37,7 @@ import pandas as pd
 
 from ..env import oversubscription
 from ..launch import LaunchCancelled
+from ..records import LiveLoss
 
 _RUNNING: set[BackgroundRun] = set()  # panels with a run under way (for the interrupt)
 _LISTENING = False
@@ -272,6 +273,23 @@ class BackgroundRun:
         ]
         self.bars.children = [W.HBox(list(r)) for r in rows]
         return rows
+
+    def rank_progress(self, ranks: int, steps: int, label: str):
+        """A bar per rank and, once every rank reported a step, the global batch's loss in the
+        status line: the ``on_progress`` callback for one run of ``ranks`` ranks."""
+        bars, live = self.progress_bars([f"rank {r}" for r in range(ranks)], steps), LiveLoss(ranks)
+
+        def progress(rank: int, metrics: dict) -> None:
+            bar, text = bars[rank]
+            bar.value = metrics["step"]
+            text.value = f"step {metrics['step']}/{metrics['total']}"
+            latest = live.update(rank, metrics)
+            if latest is not None:
+                self.status.value = (
+                    f"running <b>{label}</b>: step {latest[0]}, loss {latest[1]:.4f} (global batch)"
+                )
+
+        return progress
 
     # ---- what a panel provides ----------------------------------------------------------------
 

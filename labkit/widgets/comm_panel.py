@@ -14,7 +14,6 @@ from ..comm import knob_label, knob_rows
 from ..config import RunConfig
 from ..env import oversubscription, probe
 from ..plots import communication as charts
-from ..records import LiveLoss
 from .base import BackgroundRun
 
 BUCKETS = {
@@ -128,20 +127,7 @@ class CommPanel(BackgroundRun):
 
     def execute(self, cancel: threading.Event):
         cfg = self.config()
-        bars = self.progress_bars([f"rank {r}" for r in range(cfg.ranks)], cfg.steps)
-        live = LiveLoss(cfg.ranks)
-
-        def progress(rank: int, metrics: dict) -> None:
-            bar, text = bars[rank]
-            bar.value = metrics["step"]
-            text.value = f"step {metrics['step']}/{metrics['total']}"
-            latest = live.update(rank, metrics)
-            if latest is not None:
-                self.status.value = (
-                    f"running <b>{knob_label(cfg)}</b>: step {latest[0]}, "
-                    f"loss {latest[1]:.4f} (global batch)"
-                )
-
+        progress = self.rank_progress(cfg.ranks, cfg.steps, knob_label(cfg))
         result = experiment.run(cfg, on_progress=progress, cancel=cancel, **self.factories)
         self.results.append(result)
         return self.results

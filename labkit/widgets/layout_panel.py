@@ -20,7 +20,7 @@ import pandas as pd
 from .. import experiment
 from ..config import RunConfig
 from ..plots import tensor_parallel as charts
-from ..records import LiveLoss, summarize
+from ..records import summarize
 from .base import BackgroundRun, mime_output
 
 
@@ -100,17 +100,7 @@ class LayoutPanel(BackgroundRun):
 
     def execute(self, cancel: threading.Event) -> experiment.RunResult:
         cfg = self.config()
-        rows = self.progress_bars([f"rank {r}" for r in range(cfg.ranks)], cfg.steps)
-        live = LiveLoss(cfg.ranks)
-
-        def progress(rank: int, metrics: dict) -> None:
-            bar, text = rows[rank]
-            bar.value = metrics["step"]
-            text.value = f"step {metrics['step']}/{metrics['total']}"
-            latest = live.update(rank, metrics)
-            if latest is not None:
-                self.status.value = f"running {self.plan()}: step {latest[0]}, loss {latest[1]:.4f}"
-
+        progress = self.rank_progress(cfg.ranks, cfg.steps, self.plan())
         result = experiment.run(cfg, on_progress=progress, cancel=cancel)
         self.runs.append(self.row(result))
         self.result = result
