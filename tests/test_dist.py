@@ -44,13 +44,24 @@ def test_seed_style_setup_and_cleanup_with_launch_setup_false():
     assert out[0]["before"]["env"]["MASTER_PORT"] == out[1]["before"]["env"]["MASTER_PORT"]
 
 
-def test_a_forgotten_cleanup_is_done_by_the_launcher():
-    def forgets_cleanup(ctx):
+def test_a_forgotten_cleanup_is_done_by_the_launcher(tmp_path):
+    # the lesson's function sets up a group and never destroys it; each rank notes (in a file,
+    # since the rank's process is gone afterwards) when destroy_process_group is really called
+    def forgets_cleanup(ctx, folder):
+        real = dist.destroy_process_group
+
+        def noted(*args, **kwargs):
+            open(f"{folder}/destroyed-{ctx.rank}", "w").close()
+            return real(*args, **kwargs)
+
+        dist.destroy_process_group = noted
         setup(ctx.rank, ctx.world_size)
         dist.barrier()
         return dist.is_initialized()
 
-    assert launch(forgets_cleanup, 2, timeout_s=60, device="cpu", setup=False) == [True, True]
+    got = launch(forgets_cleanup, 2, (str(tmp_path),), timeout_s=60, device="cpu", setup=False)
+    assert got == [True, True]  # the group was still up when the function returned
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["destroyed-0", "destroyed-1"]
 
 
 def test_session_from_the_environment_always_destroys_the_group():
