@@ -619,3 +619,47 @@ def test_a_script_read_from_standard_input_launches_ranks():
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "[3.0, 3.0]"
+
+
+def test_the_kernel_interrupt_stops_a_panel_run_whose_click_came_on_another_thread(kernel):
+    """JupyterLab 4.6 delivers a widget's clicks on a kernel subshell thread once a message
+    changed the button (a 'cannot run' state). Python installs signal handlers only from the
+    main thread, so a handler set up lazily inside the click never existed and Interrupt did not
+    stop the run. Here the panel is built in a cell (main thread) and Run is clicked from
+    another thread; a real SIGINT to the kernel must stop the run and every rank."""
+    km, kc = kernel
+    reply, out = _run_cell(
+        kc,
+        textwrap.dedent("""
+        import threading
+        from labkit import RunConfig
+        from labkit.widgets import pipeline_panel
+        panel = pipeline_panel(RunConfig(strategy="pipeline_1f1b", width=64, depth=3,
+                                         global_batch=32, dataset_size=512, steps=1000,
+                                         pace_s=0.02, warmup=1))
+        panel.stages.value = 2
+        threading.Thread(target=panel.run_button.click, name="subshell-1").start()
+    """),
+    )
+    assert reply["status"] == "ok", out
+    deadline = time.monotonic() + 60
+    while True:  # until the ranks report steps
+        reply, out = _run_cell(
+            kc, "print('STEP', max([b.children[0].value for b in panel.bars.children] or [0]))"
+        )
+        if int(out.split()[-1]) >= 3:
+            break
+        assert time.monotonic() < deadline, out
+        time.sleep(0.3)
+    t0 = time.monotonic()
+    km.interrupt_kernel()
+    reply, out = _run_cell(
+        kc,
+        "panel.wait(10); print('ALIVE', panel._thread.is_alive(), '|', panel.stopped_by)",
+    )
+    assert "ALIVE False | the kernel's Interrupt" in out, out
+    assert time.monotonic() - t0 < 5
+    reply, out = _run_cell(
+        kc, "from tests.helpers.procs import live_ranks; print('LEFT', len(live_ranks()))"
+    )
+    assert "LEFT 0" in out
