@@ -226,7 +226,7 @@ def test_ctrl_c_stops_every_rank_and_keeps_what_finished(tmp_path):
 
     import psutil
 
-    from tests.helpers.procs import wait_gone
+    from tests.helpers.procs import default_sigint, wait_gone
 
     out, html = tmp_path / "out.json", tmp_path / "out.html"
     proc = subprocess.Popen(
@@ -252,6 +252,7 @@ def test_ctrl_c_stops_every_rank_and_keeps_what_finished(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_sigint,
     )
     seen = []
     for line in proc.stdout:  # wait until single has finished (ddp is running)

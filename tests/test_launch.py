@@ -22,7 +22,7 @@ import torch
 import labkit
 from labkit import LaunchCancelled, LaunchTimeout, RankError, launch
 from tests.helpers import ranks
-from tests.helpers.procs import assert_no_ranks, live_ranks, pid_alive, wait_gone
+from tests.helpers.procs import assert_no_ranks, default_sigint, live_ranks, pid_alive, wait_gone
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -451,6 +451,7 @@ def _start_driver(repo_root) -> tuple[subprocess.Popen, list[int]]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=default_sigint,
     )
     pids = []
     deadline = time.monotonic() + 60

@@ -78,3 +78,12 @@ def assert_no_ranks(grace_s: float = 1.0) -> None:
     wait_gone([p.pid for p in live_ranks()], grace_s)
     left = live_ranks()
     assert not left, f"rank processes outlived the launch: {describe(left)}"
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child that must hear Ctrl-C: a background job of a non-interactive
+    shell starts with SIGINT ignored, and a Python child inherits SIG_IGN and never raises
+    KeyboardInterrupt. Tests that send SIGINT set the disposition they rely on."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
