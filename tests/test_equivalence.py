@@ -122,3 +122,45 @@ def test_buffers_are_compared_and_a_batchnorm_pipeline_says_why_it_differs():
     assert result.loc["model_parallel", "ok"]  # one micro-batch: exact
     assert not result.loc["pipeline_1f1b", "ok"]  # each micro-batch normalised alone
     assert "micro-batch" in result.loc["pipeline_1f1b", "why"]
+
+
+class CentreEachBatch(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def centred_mlp(cfg):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(cfg.in_features, cfg.width), CentreEachBatch(), nn.ReLU(),
+        nn.Linear(cfg.width, cfg.classes),
+    )  # fmt: skip
+
+
+def test_a_real_difference_fails_above_the_noise_floor_and_says_so():
+    # a batch statistic that is not a BatchNorm: DDP's ranks centre their halves
+    table = equivalence.check(BASE.replace(width=64, depth=2), ["ddp"], 2, steps=3,
+                              model_fn=centred_mlp)  # fmt: skip
+    row = table.iloc[0]
+    assert not row["ok"] and row["noise_floor"] < row["tol"] < row["max_abs_diff"], row.to_dict()
+    assert "differs beyond rounding" in row["why"]
+
+
+def batchnorm_mlp(cfg):
+    torch.manual_seed(0)
+    layers, width = [], cfg.in_features
+    for _ in range(4):
+        layers += [nn.Linear(width, cfg.width), nn.BatchNorm1d(cfg.width), nn.ReLU()]
+        width = cfg.width
+    return nn.Sequential(*layers, nn.Linear(width, cfg.classes))
+
+
+def test_training_that_amplifies_rounding_is_judged_against_its_noise_floor():
+    # batch norm at lr 2 for 30 steps: single-device training from weights one ulp apart ends
+    # 1.6e-2 apart (here), and DDP with synchronised batch norm 4.5e-3 from it: rounding, amplified
+    cfg = BASE.replace(width=64, lr=2.0)
+    table = equivalence.check(cfg, ["ddp"], 2, steps=30, model_fn=batchnorm_mlp)
+    row = table.iloc[0]
+    assert row["max_abs_diff"] > row["tol"] and row["noise_floor"] > row["tol"], row.to_dict()
+    assert row["ok"] and "training amplifies rounding" in row["why"], row.to_dict()
+    assert row["max_abs_diff"] <= 2 * row["noise_floor"]
