@@ -222,7 +222,8 @@ def test_hogwild_updates_land_in_the_shared_model(no_leftover_ranks):
 # ---- the straggler ---------------------------------------------------------------------------
 
 
-def test_straggler_slows_its_rank_in_the_labs_modes(no_leftover_ranks):
+@pytest.mark.flaky(reruns=2)  # compute read off a shared machine's clock; a rank that never
+def test_straggler_slows_its_rank_in_the_labs_modes(no_leftover_ranks):  # slept fails every time
     res = experiment.run(BASE.replace(strategy="local_sgd", slowdown="1:3", steps=4, width=128))
     recs = res.records
     assert recs.groupby("rank")["slowdown"].max().tolist() == [1.0, 3.0]
