@@ -9,6 +9,7 @@ from torch.utils.data import TensorDataset
 
 from labkit import RunConfig, equivalence
 from labkit.equivalence import batch_stat_layers, random_layers, without_dropout
+from tests.helpers.models import centred_mlp
 
 BASE = RunConfig(strategy="ddp", world_size=2, global_batch=32, dataset_size=128, timeout_s=180)
 
@@ -122,19 +123,6 @@ def test_buffers_are_compared_and_a_batchnorm_pipeline_says_why_it_differs():
     assert result.loc["model_parallel", "ok"]  # one micro-batch: exact
     assert not result.loc["pipeline_1f1b", "ok"]  # each micro-batch normalised alone
     assert "micro-batch" in result.loc["pipeline_1f1b", "why"]
-
-
-class CentreEachBatch(nn.Module):
-    def forward(self, x):
-        return x - x.mean(0, keepdim=True)
-
-
-def centred_mlp(cfg):
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(cfg.in_features, cfg.width), CentreEachBatch(), nn.ReLU(),
-        nn.Linear(cfg.width, cfg.classes),
-    )  # fmt: skip
 
 
 def test_a_real_difference_fails_above_the_noise_floor_and_says_so():

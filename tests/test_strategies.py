@@ -11,6 +11,7 @@ from labkit import RunConfig, equivalence, experiment
 from labkit.data import ToyClassification
 from labkit.rank.probes import TIME_COLUMNS
 from labkit.records import BUSY_SHARE, summarize
+from tests.helpers.models import centred_mlp
 
 SMALL = RunConfig(width=64, depth=2, global_batch=32, dataset_size=512, steps=4, warmup=1)
 
@@ -20,22 +21,6 @@ def test_every_data_parallel_strategy_matches_single_at_world_size_2():
     assert list(result["strategy"]) == ["dp", "ddp", "ddp_naive"]
     assert result["ok"].all(), result
     assert (result["max_abs_diff"] <= 1e-5).all()
-
-
-class CentreEachBatch(nn.Module):
-    """Subtracts the batch's own mean: a batch statistic that is not a BatchNorm, so a rank that
-    sees half the batch computes something else than one device seeing all of it."""
-
-    def forward(self, x):
-        return x - x.mean(0, keepdim=True)
-
-
-def centred_mlp(cfg):
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(cfg.in_features, cfg.width), CentreEachBatch(), nn.ReLU(),
-        nn.Linear(cfg.width, cfg.classes),
-    )  # fmt: skip
 
 
 def test_check_catches_a_strategy_that_differs():
