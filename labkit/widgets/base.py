@@ -24,6 +24,7 @@ ipywidgets 8.1.9, plotly 7.1, in headless Chromium 156):
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import os
@@ -35,7 +36,7 @@ from typing import Any
 import ipywidgets as W
 import pandas as pd
 
-from ..env import oversubscription
+from ..env import oversubscription, probe
 from ..launch import LaunchCancelled
 from ..records import LiveLoss
 
@@ -69,9 +70,9 @@ def _listen_for_interrupt() -> None:
     _LISTENING = True
 
 
+@functools.cache
 def _cpu_ranks() -> bool:
-    from ..env import probe
-
+    """Whether ranks here are CPU processes (probed once: every control change asks)."""
     return probe().device == "cpu"
 
 
@@ -104,6 +105,7 @@ class BackgroundRun:
 
     controls: W.Widget
     stopped_what = "every rank was terminated"  # what a Stop ended, said in the status line
+    warns_oversubscription = True  # the ready line warns when config().ranks exceeds the cores
 
     def __init__(self):
         self.error: BaseException | None = None
@@ -223,8 +225,6 @@ class BackgroundRun:
         timings will not be real parallelism (None: the panel says it itself, or cannot)."""
         config = getattr(self, "config", None)
         return config().ranks if callable(config) and self.warns_oversubscription else None
-
-    warns_oversubscription = True
 
     def save_trace(self, path: str | None = None) -> str | None:
         """Write the last run's records as a Chrome trace (``labkit.trace``; the Save trace
