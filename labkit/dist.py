@@ -159,9 +159,10 @@ def agent_store(world_size: int, timeout_s: float) -> dist.Store | None:
     After a worker dies and the agent restarts the group, the new ranks publish their addresses
     under the same keys the dead ones used; a rank that reads a peer's key before the peer has
     rewritten it connects to a closed port (gloo: "connectFullMesh failed ... Connection
-    refused", 4 of 7 restarts here, 0 of 5 with these keys). On one node every worker of an
-    attempt has the same restart count; across nodes the counts can differ (only the failed
-    node's agent counts the restart), so ``refuse_shared_store_restarts`` stops that case."""
+    refused": 4 of 7 restarts when it was reported, 1 of 2 here; 0 of 5 with these keys). On
+    one node every worker of an attempt has the same restart count; across nodes the counts can
+    differ (only the failed node's agent counts the restart), so ``refuse_shared_store_restarts``
+    stops that case."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     raw = dist.TCPStore(
