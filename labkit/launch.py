@@ -11,7 +11,12 @@ and returns the return values in rank order. What it guarantees, and how:
 * No port races: the launcher holds the rendezvous TCPStore itself on a port the OS picks.
 * One error, quickly: a rank that raises sends its traceback before tearing down; the caller
   stops every rank and raises ``RankError`` naming it. A rank that dies silently (a segfault,
-  ``os._exit``) is seen through its process sentinel at once.
+  ``os._exit``, a C++ abort) is seen through its process sentinel at once, and its error carries
+  the tail of what it wrote to stderr: each rank's stderr goes to a file that the caller copies
+  to its own stderr when the launch ends.
+* Scripts need no ``__main__`` guard: the ranks never re-import the caller's main module
+  (functions travel by value), so a top-level ``launch(...)`` in a script, or a script read from
+  standard input, runs once.
 * Bounded: past ``timeout_s`` the ranks still running dump their Python stacks (faulthandler),
   are stopped, and ``LaunchTimeout`` carries those stacks, so a hang says where it hung.
 * Nothing outlives the call: every exit path (return, error, timeout, Ctrl-C, a Jupyter
@@ -53,10 +58,16 @@ class LaunchError(RuntimeError):
 
 
 class RankError(LaunchError):
-    """A rank raised or died; ``rank`` names it and ``traceback`` carries its traceback text."""
+    """A rank raised or died; ``rank`` names it, ``traceback`` carries its traceback text and
+    ``stderr_tail`` the last lines it wrote to stderr when it died without a traceback."""
 
     def __init__(
-        self, rank: int, world_size: int, traceback_text: str, exitcode: int | None = None
+        self,
+        rank: int,
+        world_size: int,
+        traceback_text: str,
+        exitcode: int | None = None,
+        stderr_tail: str = "",
     ):
         self.rank, self.world_size, self.traceback, self.exitcode = (
             rank,
@@ -64,7 +75,9 @@ class RankError(LaunchError):
             traceback_text,
             exitcode,
         )
-        super().__init__(f"rank {rank} of {world_size} failed:\n{traceback_text.rstrip()}")
+        self.stderr_tail = stderr_tail
+        said = f"\n--- rank {rank}'s stderr ended with:\n{stderr_tail}" if stderr_tail else ""
+        super().__init__(f"rank {rank} of {world_size} failed:\n{traceback_text.rstrip()}{said}")
 
 
 class LaunchTimeout(LaunchError, TimeoutError):
@@ -151,25 +164,23 @@ def launch(
     }
 
     life_r, life_w = ctx.Pipe(duplex=False)
-    procs, conns, dumps, done = [], {}, {}, False
+    procs, conns, dumps, errs, done = [], {}, {}, {}, False
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            dumps[rank] = tempfile.NamedTemporaryFile(
-                "w+", prefix=f"labkit-rank{rank}-", suffix=".txt", delete=False
-            ).name
+            dumps[rank], errs[rank] = (_temp_path(f"labkit-rank{rank}-{what}-") for what in "ds")
             p = ctx.Process(
                 target=_rank_main,
                 name=f"labkit-rank{rank}",
                 daemon=True,
-                args=(payload, rank, spec, writer, life_r, dumps[rank]),
+                args=(payload, rank, spec, writer, life_r, dumps[rank], errs[rank]),
             )
-            with _main_importable_or_hidden():
+            with _main_hidden():
                 p.start()
             writer.close()  # the parent keeps only the read end: EOF means gone
             procs.append(p)
             conns[reader] = rank
-        results = _collect(procs, conns, timeout_s, on_progress, cancel, dumps)
+        results = _collect(procs, conns, timeout_s, on_progress, cancel, dumps, errs)
         done = True
         return results
     finally:
@@ -180,13 +191,14 @@ def launch(
             _stop(procs)
         for c in conns:
             c.close()
-        for path in dumps.values():
+        _forward_stderr(errs)
+        for path in (*dumps.values(), *errs.values()):
             _unlink(path)
         if store is not None:
             del store
 
 
-def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
+def _collect(procs, conns, timeout_s, on_progress, cancel, dumps, errs) -> list:
     world_size = len(procs)
     results: dict[int, Any] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -205,7 +217,7 @@ def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
         elif kind == "result":
             results[rank] = cloudpickle.loads(payload)
         elif kind == "error":
-            raise _root_cause(rank, payload, procs, sentinels, results)
+            raise _root_cause(rank, payload, procs, sentinels, results, errs)
 
     while len(results) < world_size:
         if cancel is not None and cancel.is_set():
@@ -238,31 +250,32 @@ def _collect(procs, conns, timeout_s, on_progress, cancel, dumps) -> list:
                     f"process exited with code {code} before returning a result "
                     f"({_describe_exit(code)})",
                     exitcode=code,
+                    stderr_tail=_tail(errs[rank]),
                 )
     return [results[r] for r in range(world_size)]
 
 
 @contextmanager
-def _main_importable_or_hidden():
-    """multiprocessing re-imports the caller's main module in every new process from its
-    ``__file__``; a script read from standard input (``python - <<EOF``) has ``'<stdin>'`` there,
-    a file no rank can open, and every rank died before running anything. Ranks do not need the
-    main module (functions travel by value: ``_pack``), so hide a ``__file__`` that is not a
-    file while the processes start."""
+def _main_hidden():
+    """multiprocessing re-imports the caller's main module in every new process (from its
+    ``__file__``, or by name under ``python -m``). Ranks do not need it: functions travel by
+    value (``_pack``). Importing it again ran a script's top-level ``launch`` once more in every
+    rank (each rank then failed, asking for an ``if __name__ == '__main__':`` guard) and failed
+    outright for a script read from standard input (``'<stdin>'`` is not a file). So the main
+    module shows no file and no name while the processes start."""
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    named = getattr(getattr(main, "__spec__", None), "name", None)
-    if path is None or named is not None or os.path.isfile(path):
-        yield
-        return
-    del main.__file__
+    names = vars(main) if main is not None else {}
+    saved = {k: names[k] for k in ("__file__", "__spec__") if k in names}
+    names.pop("__file__", None)
+    if "__spec__" in names:
+        names["__spec__"] = None
     try:
         yield
     finally:
-        main.__file__ = path
+        names.update(saved)
 
 
-def _root_cause(rank, text, procs, sentinels, results) -> RankError:
+def _root_cause(rank, text, procs, sentinels, results, errs) -> RankError:
     """The error to raise when ``rank`` reported ``text``. A peer that died outside Python (a
     segfault, SIGKILL, os._exit) sends nothing, and the first message to arrive is then the
     survivor's "connection closed by peer"; so give the others a moment to exit, and name a rank
@@ -284,6 +297,7 @@ def _root_cause(rank, text, procs, sentinels, results) -> RankError:
                 f"process exited with code {code} without reporting "
                 f"({_describe_exit(code)}); then rank {rank} failed:\n{text}",
                 exitcode=code,
+                stderr_tail=_tail(errs[r]),
             )
         alive = [s for s, r in sentinels.items() if r != rank and procs[r].exitcode is None]
         if not alive:
@@ -292,7 +306,16 @@ def _root_cause(rank, text, procs, sentinels, results) -> RankError:
     return RankError(rank, world_size, text)
 
 
-def _rank_main(payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path: str) -> None:
+def _rank_main(
+    payload: bytes, rank: int, spec: dict, conn, lifeline, dump_path: str, stderr_path: str
+) -> None:
+    # Everything this process writes to stderr from here on, Python or C++ (an abort's message,
+    # a warning), goes to a file: the caller copies it out at the end and quotes its tail in the
+    # error of a rank that died without a traceback.
+    sys.stderr.flush()
+    err = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(err, 2)
+    os.close(err)
     # Jupyter's interrupt signals the kernel's whole process group; the caller owns stopping.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_lifeline, args=(lifeline,), daemon=True).start()
@@ -454,10 +477,7 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     if code == 1:
-        return (
-            "it failed before running your function; in a script, is the launch under "
-            "`if __name__ == '__main__':`? each rank re-imports the main module"
-        )
+        return "it failed before it could report"
     return "it called os._exit or crashed outside Python" if code else "no result was sent"
 
 
@@ -468,6 +488,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _temp_path(prefix: str) -> str:
+    with tempfile.NamedTemporaryFile("w", prefix=prefix, suffix=".txt", delete=False) as f:
+        return f.name
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:]).rstrip()
+    except OSError:
+        return ""
+
+
+def _forward_stderr(errs: dict[int, str]) -> None:
+    """What each rank wrote to stderr, on the caller's stderr (file descriptor 2, where the
+    ranks' own stderr pointed before: a terminal, or the log of a Jupyter server), each line
+    marked with its rank."""
+    for rank, path in sorted(errs.items()):
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if text.strip():
+            lines = text.decode(errors="replace").rstrip().splitlines()
+            marked = "".join(f"[rank {rank}] {line}\n" for line in lines)
+            try:
+                sys.stderr.flush()
+                os.write(2, marked.encode())
+            except OSError:
+                pass
 
 
 def _td(seconds: float | None):

@@ -171,23 +171,23 @@ def test_works_from_a_script_with_a_main_guard(tmp_path, repo_root):
     assert "RESULT [(0, 49), (1, 49)]" in done.stdout
 
 
-def test_script_without_a_main_guard_works_or_says_why(tmp_path):
-    # The articles write top-level scripts. Every rank re-imports the main module, so without
-    # the guard each rank would launch again: that must fail fast and name the missing guard.
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_script_without_a_main_guard_runs_its_launch_once(tmp_path, how):
+    # The articles write top-level scripts. multiprocessing re-imports the main module in every
+    # new process, so each rank would run the top-level launch again (and fail); the ranks must
+    # not import it, whether it runs as a file or with python -m.
     script = tmp_path / "flat.py"
     script.write_text(
         "import labkit\n"
+        "print('LAUNCHING')\n"
         "def f(ctx):\n    return ctx.rank\n"
         "print('RESULT', labkit.launch(f, 2, timeout_s=60, device='cpu'))\n"
     )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    ok = done.returncode == 0 and "RESULT [0, 1]" in done.stdout
-    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
-    assert ok or ("RankError" in done.stderr and "if __name__ == '__main__':" in last), done.stderr[
-        -2000:
-    ]
+    cmd = [sys.executable, str(script)] if how == "script" else [sys.executable, "-m", "flat"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RESULT [0, 1]" in done.stdout
+    assert done.stdout.count("LAUNCHING") == 1, done.stdout
 
 
 # ---- errors, timeouts, cancel -------------------------------------------------------------------
@@ -233,6 +233,7 @@ def test_a_rank_dying_outside_python_is_named(how, expect):
     def die(ctx, how):
         if ctx.rank == 1:
             if how == "exit":
+                os.write(2, b"native last words\n")
                 os._exit(7)
             os.kill(os.getpid(), signal.SIGKILL)
         import torch.distributed as dist
@@ -247,6 +248,19 @@ def test_a_rank_dying_outside_python_is_named(how, expect):
     assert info.value.rank == 1
     assert expect in str(info.value)
     assert info.value.exitcode == (7 if how == "exit" else -signal.SIGKILL)
+    if how == "exit":
+        assert info.value.stderr_tail == "native last words"
+        assert "native last words" in str(info.value)
+
+
+def test_a_rank_dying_before_it_runs_the_function_shows_its_stderr(capfd):
+    with pytest.raises(RankError) as info:
+        launch(ranks.whoami, 2, args=(ranks.DiesWhenUnpickled("no tensors for you"),), timeout_s=60)
+    assert info.value.exitcode == 9
+    assert info.value.stderr_tail == "no tensors for you"
+    assert "stderr ended with:\nno tensors for you" in str(info.value)
+    # and every rank's stderr reaches the caller's, marked with the rank
+    assert "[rank 0] no tensors for you" in capfd.readouterr().err
 
 
 def test_a_result_that_cannot_be_sent_back_names_the_rank():
