@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .dist import RankContext
 from .predict.collectives import OPS, bus_factor
 from .records import summarize
+from .report import human_bytes  # noqa: F401  (comm.human_bytes: the benchmark tables use it)
 
 # The alpha-beta fit uses the mean time per call, not the median: a training step makes many
 # calls and pays every slow one (on a shared CPU, a scheduler tick in a fraction of the calls),
@@ -63,13 +64,6 @@ def size_range(text: str, step: int = 4) -> list[int]:
     if not sizes or min(sizes) < 4:
         raise ValueError(f"sizes {text!r}: every size must be at least 4 bytes (one float32)")
     return sizes
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("GiB", "MiB", "KiB"):
-        if n >= UNITS[unit]:
-            return f"{n / UNITS[unit]:g} {unit}"
-    return f"{int(n)} B"
 
 
 def message_numel(n: int, nbytes: int) -> int:

@@ -13,6 +13,71 @@ import pandas as pd
 from . import registry
 from .records import BUSY_SHARE
 
+_BYTE_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def human_bytes(n: float) -> str:
+    """A byte count with its binary unit, four significant digits (4,194,304 -> "4 MiB")."""
+    for unit, size in _BYTE_UNITS:
+        if abs(n) >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{int(n)} B"
+
+
+# (column name ending, header unit, how a value reads): the quantity, not the dtype, decides the
+# rounding. Checked in order: the first ending that matches wins.
+_QUANTITIES = (
+    ("_per_s", "/s", lambda v: f"{v:,.0f}"),
+    ("_ms", " (ms)", lambda v: f"{v:,.1f}"),
+    ("_s", " (s)", lambda v: f"{v:,.2f}"),
+    ("_h", " (h)", lambda v: f"{v:,.2f}"),
+    ("_bytes", "", human_bytes),
+    ("_mib", " (MiB)", lambda v: f"{v:,.1f}"),
+    ("_gb", " (GB)", lambda v: f"{v:,.1f}"),
+    ("_gib", " (GiB)", lambda v: f"{v:,.1f}"),
+    ("_share", "", lambda v: f"{100 * v:.0f}%"),
+    ("_fraction", "", lambda v: f"{100 * v:.0f}%"),
+    ("efficiency", "", lambda v: f"{100 * v:.0f}%"),
+    ("utilisation", "", lambda v: f"{100 * v:.0f}%"),
+    ("error", "", lambda v: f"{100 * v:+.0f}%"),
+)
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def readable(table: pd.DataFrame) -> pd.DataFrame:
+    """Any table of measurements as people read it: every number rounded by the quantity its
+    column holds (named by its ending: ``_ms``, ``_s``, ``_mib``, ``_share``, ...; any name with
+    "bytes" in it is a byte count),
+    the unit in the header ("step (ms)"), whole numbers as integers (a world size is 2, not
+    2.0), missing values blank, and text left alone. Panels show every table through this."""
+    out = {}
+    for col in table.columns:
+        values, name = table[col], str(col)
+        if values.dtype == object or pd.api.types.is_string_dtype(values):
+            out[name.replace("_", " ")] = values.map(lambda v: "" if _missing(v) else v)
+            continue
+        if pd.api.types.is_bool_dtype(values):
+            out[name.replace("_", " ")] = values.map(lambda v: "yes" if v else "")
+            continue
+        header, fmt = _quantity(name)
+        if fmt is None:
+            whole = values.dropna().map(lambda v: float(v).is_integer()).all()
+            fmt = (lambda v: f"{int(v):,}") if whole else (lambda v: f"{v:.4g}")
+        out[header] = values.map(lambda v, f=fmt: "" if _missing(v) else f(v))
+    return pd.DataFrame(out, index=table.index)
+
+
+def _quantity(name: str):
+    """(header, format) for a column of numbers named ``name``; format None: a plain number."""
+    for ending, unit, fmt in _QUANTITIES:
+        if name.endswith(ending) or (ending == "_bytes" and "bytes" in name):
+            stem = (name[: -len(ending)] if unit else name) or name
+            return stem.replace("_", " ").strip() + unit, fmt
+    return name.replace("_", " "), None
+
 
 def _num(v, fmt: str) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)

@@ -334,7 +334,7 @@ def test_data_parallel_panel_in_a_browser(lab, browser):
 def test_pipeline_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
     page = open_and_run_all(browser, lab, "02_model_parallel.ipynb")
-    assert "measured (1f1b, P=2, M=4)" in panel_output(page)
+    assert "measured, one step (1f1b, P=2, M=4)" in panel_output(page)
 
     # as a person: GPipe with 8 micro-batches, Run, and the Gantt names the new run
     selects = page.locator(".widget-dropdown select")
@@ -345,7 +345,7 @@ def test_pipeline_panel_in_a_browser(lab, browser):
     status = wait_status(page, r"done: pipeline_gpipe P=2 M=8", 120)
     shown = panel_output(page)
     page.screenshot(path=str(OUT / "browser-02-after-run.png"), full_page=True)
-    assert "measured (gpipe, P=2, M=8)" in shown and "replayed" in shown, shown[:800]
+    assert "measured, one step (gpipe, P=2, M=8)" in shown and "replayed" in shown, shown[:800]
     assert "closed form" in status
 
     # model_parallel runs one micro-batch: the panel says so instead of promising M=8
@@ -482,6 +482,14 @@ def test_sync_async_panel_in_a_browser(lab, browser):
     assert "fastest to" in status or "run(s) in the table" in status, status
     assert "ddp@2 slow 1:2.5" in shown and "async_ps@3 slow 1:2.5" in shown, shown[:800]
     assert "Staleness" in shown, shown[:800]
+
+    # the same settings again: a row of its own beside the first, nothing pooled
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"done: ddp@2 slow 1:2\.5, async_ps@3 slow 1:2\.5; 4 run\(s\)", 180)
+    shown = panel_output(page)
+    assert "ddp@2 slow 1:2.5, repeat 2" in shown and "async_ps@3 slow 1:2.5, repeat 2" in shown, (
+        shown[:1200]
+    )
     assert not kernel_ranks(lab)
     page.close()
 

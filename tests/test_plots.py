@@ -26,3 +26,55 @@ def test_policy_bars_show_hours_for_seconds():
     fig = scheduling.policy_bars(table)
     assert list(fig.data[0].y) == [2.0, 1.0] and list(fig.data[1].y) == [10.0, 5.0]
     assert fig.data[0].name == "mean jct (h)"
+
+
+def test_tables_for_people_round_by_quantity_and_name_the_unit():
+    # what panels showed: world sizes as "1.0", samples/s as 17769.524823, MiB to six decimals,
+    # bytes with no unit; one formatter now reads every panel's table
+    from labkit.report import readable
+
+    raw = pd.DataFrame(
+        {
+            "run": ["ddp@2", "single"],
+            "world_size": [2.0, 1.0],
+            "samples_per_s": [17769.524823, 880.0],
+            "step_ms": [12.34567, 7.0],
+            "comm_bytes": [4194304.0, 0.0],
+            "peak_mib": [12.345678, 1.5],
+            "cpu_share": [0.934, 1.0],
+            "error": [-0.052, float("nan")],
+            "busy": [True, False],
+        }
+    )
+    shown = readable(raw)
+    assert list(shown.columns) == [
+        "run",
+        "world size",
+        "samples/s",
+        "step (ms)",
+        "comm bytes",
+        "peak (MiB)",
+        "cpu share",
+        "error",
+        "busy",
+    ]
+    assert shown.iloc[0].tolist() == [
+        "ddp@2",
+        "2",
+        "17,770",
+        "12.3",
+        "4 MiB",
+        "12.3",
+        "93%",
+        "-5%",
+        "yes",
+    ]
+    assert shown.iloc[1].tolist() == ["single", "1", "880", "7.0", "0 B", "1.5", "100%", "", ""]
+
+
+def test_every_panel_table_goes_through_the_one_formatter():
+    from labkit.widgets.base import mime_output
+
+    out = mime_output(pd.DataFrame({"world_size": [2.0], "step_ms": [3.14159]}))
+    assert "step (ms)" in out["data"]["text/html"] and "3.1" in out["data"]["text/plain"]
+    assert "2.0" not in out["data"]["text/plain"] and "3.14159" not in out["data"]["text/html"]

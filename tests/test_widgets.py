@@ -113,7 +113,7 @@ def test_pipeline_panel_controls_and_redraw():
     panel.steps.value = 3
     panel.start().join(120)
     assert panel.result.cfg.steps == 3
-    assert "measured (gpipe, P=2, M=4)" in shown(panel) and "replayed" in shown(panel)
+    assert "measured, one step (gpipe, P=2, M=4)" in shown(panel) and "replayed" in shown(panel)
     assert "replayed" in panel.status.value and "closed form" in panel.status.value
 
 
@@ -150,7 +150,7 @@ def test_layout_panel_maps_degrees_to_strategies_and_keeps_each_run_apart():
         assert panel.run() is not None, panel.error
     table = panel.table()
     assert list(table["run"]) == [1, 2] and set(table["strategy"]) == {"tp"}
-    assert table["MB_sent_per_rank_step"].nunique() == 1  # the same bytes, counted per run
+    assert table["bytes_sent_per_rank_step"].nunique() == 1  # the same bytes, counted per run
     assert "2 run(s) in the table, one row each" in panel.status.value
     assert PLOTLY in shown(panel)
 

@@ -77,14 +77,24 @@ def rank_utilisation(records: pd.DataFrame) -> go.Figure:
                 orientation="h",
                 marker_color=color,
                 text=[f"{v:.0%}" for v in table[name]],
+                textposition="inside",
             )
         )
+    total = table[[name for name, _, _ in SEGMENTS]].sum(axis=1).max()
     fig.update_layout(
         barmode="stack",
         title="Where each rank's time went (whole run)",
-        xaxis={"title": "share of the rank's time", "tickformat": ".0%"},
-        yaxis={"autorange": "reversed"},
-        height=120 + 40 * len(table),
+        # shares of a rank's wall time: the axis from 0 to the whole (a little more where the
+        # phases overlap), not the -50 % to 150 % that plotly picked around the labels
+        xaxis={
+            "title": "share of the rank's time",
+            "tickformat": ".0%",
+            "range": [0, max(1.0, float(total)) * 1.02],
+        },
+        yaxis={"autorange": "reversed", "type": "category", "automargin": True, "dtick": 1},
+        legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
+        height=max(320, 170 + 55 * len(table)),
+        margin={"t": 100},
     )
     return fig
 

@@ -108,12 +108,17 @@ def knobs(table: pd.DataFrame) -> go.Figure:
         title="DDP's knobs: step time and bytes per sample",
         yaxis={"title": "ms per optimizer step (median)"},
         yaxis2={
-            "title": "gradient bytes all-reduced per sample",
+            "title": "bytes sent per sample (counted)",
             "overlaying": "y",
             "side": "right",
             "type": "log",
+            "tickformat": "~s",  # 10k, 100k: not "10.12492k"
+            "exponentformat": "SI",
         },
-        legend={"orientation": "h", "y": -0.25},
+        xaxis={"tickangle": -30, "automargin": True},
+        # the legend above the plot: below it, it ran into the configurations' long labels
+        legend={"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
+        margin={"t": 90},
     )
     return fig
 
@@ -128,10 +133,21 @@ def whatif(rows: pd.DataFrame, metric: str = "efficiency") -> go.Figure:
         "step_ms": "step time (ms)",
         "samples_per_s": "samples / s",
     }
+    sizes = sorted(rows["world_size"].unique())
     fig.update_layout(
         title=f"What if: predicted {titles.get(metric, metric)}",
-        xaxis={"type": "log", "title": "world size"},
+        # ticks at the world sizes predicted, not at 1.1 ... 1.9 between them
+        xaxis={
+            "type": "log",
+            "title": "world size",
+            "tickmode": "array",
+            "tickvals": sizes,
+            "ticktext": [str(int(n)) for n in sizes],
+        },
         yaxis={"title": titles.get(metric, metric)},
+        # one line per scenario: a legend below the plot, in columns, needs no scrolling
+        legend={"orientation": "h", "y": -0.2, "yanchor": "top"},
+        height=420 + 20 * (rows["scenario"].nunique() // 3),
     )
     return fig
 

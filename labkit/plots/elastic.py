@@ -72,11 +72,20 @@ def elastic_timeline(
         x = ev["time"] - t0
         if ev["event"] == "join" and x <= 0.01:  # the first node: not a change
             continue
-        fig.add_vline(
+        color = EVENT_COLORS.get(ev["event"], "gray")
+        fig.add_vline(x=x, line={"dash": "dot", "color": color})  # through every row
+        # named once, inside the bottom row: at the top, the names ran over the subplot titles
+        fig.add_annotation(
             x=x,
-            line={"dash": "dot", "color": EVENT_COLORS.get(ev["event"], "gray")},
-            annotation_text=ev["event"],
-            annotation_position="top",
+            y=0.02,
+            xref="x3",
+            yref="y3 domain",
+            text=ev["event"],
+            showarrow=False,
+            textangle=-90,
+            xanchor="right",
+            yanchor="bottom",
+            font={"color": color, "size": 11},
         )
     fig.update_yaxes(dtick=1, rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title_text="seconds since the first agent started", row=3, col=1)

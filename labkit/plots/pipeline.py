@@ -87,7 +87,8 @@ def gantt_vs_theory(
         shared_xaxes=True,
         vertical_spacing=0.09,
         subplot_titles=(
-            f"measured ({schedule}, P={stages}, M={microbatches}): bubble {measured:.2f}",
+            f"measured, one step ({schedule}, P={stages}, M={microbatches}): bubble "
+            f"{measured:.2f} in this step",
             (
                 "replayed on this step's own measured costs (a replay, not a prediction"
                 if replay

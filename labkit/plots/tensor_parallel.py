@@ -16,7 +16,9 @@ def layout_runs(table: pd.DataFrame) -> go.Figure:
     )
     fig.add_trace(go.Bar(x=x, y=table["step_ms"], marker_color="#4c78a8"), row=1, col=1)
     fig.add_trace(
-        go.Bar(x=x, y=table["MB_sent_per_rank_step"], marker_color="#e45756"), row=1, col=2
+        go.Bar(x=x, y=table["bytes_sent_per_rank_step"] / 1e6, marker_color="#e45756"),
+        row=1,
+        col=2,
     )
     fig.update_layout(showlegend=False, height=340, title="Each run, its own bars")
     return fig

@@ -36,6 +36,7 @@ from typing import Any
 import ipywidgets as W
 import pandas as pd
 
+from .. import report
 from ..env import oversubscription, probe
 from ..launch import LaunchCancelled
 from ..records import LiveLoss
@@ -87,11 +88,12 @@ def mime_output(obj: Any) -> dict:
             },
             "text/plain": f"<plotly figure: {title or 'untitled'}>",
         }
-    elif isinstance(obj, pd.DataFrame):
-        table = obj.to_html(index=False, border=0, classes="labkit-table")
+    elif isinstance(obj, pd.DataFrame):  # every panel's table reads the same way
+        shown = report.readable(obj)
+        table = shown.to_html(index=False, border=0, classes="labkit-table")
         data = {
             "text/html": f"<div style='overflow-x:auto; font-size:12px'>{table}</div>",
-            "text/plain": obj.to_string(index=False),
+            "text/plain": shown.to_string(index=False),
         }
     else:
         data = {"text/html": str(obj), "text/plain": html.unescape(str(obj))}

@@ -142,23 +142,7 @@ class CommPanel(BackgroundRun):
     def render(self, results) -> list:
         table = knob_rows(results, self.profile, self.network)
         notes = sorted({n for r in results for n in r.notes})
-        shown = table.round(
-            {
-                "step_ms": 1,
-                "comm_ms": 1,
-                "compute_ms": 1,
-                "comm_total_ms": 1,
-                "hidden_ms": 1,
-                "bytes_per_sample": 0,
-                "loss": 4,
-                "predicted_step_ms": 1,
-                "predicted_exposed_ms": 1,
-                "predicted_hidden_ms": 1,
-                "error": 2,
-                "cpu_share": 2,
-            }
-        )
-        return [shown] + [f"<p>{n}</p>" for n in notes] + [charts.knobs(table)]
+        return [table] + [f"<p>{n}</p>" for n in notes] + [charts.knobs(table)]
 
     def done_message(self, results) -> str:
         t = knob_rows(results[-1:], self.profile, self.network).iloc[0]

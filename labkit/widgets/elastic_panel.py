@@ -42,9 +42,8 @@ class ElasticPanel(BackgroundRun):
         )
         self.add_button = W.Button(description="Add a node", icon="plus", disabled=True)
         self.remove_button = W.Button(description="Remove a node", icon="minus", disabled=True)
-        self.kill_button = W.Button(
-            description="Kill a worker", icon="bolt", disabled=True, button_style="danger"
-        )
+        self.kill_button = W.Button(description="Kill a worker", icon="bolt", disabled=True)
+        self._error_world: int | None = None  # world size when an action's error was shown
         self.add_button.on_click(lambda _: self._act("add"))
         self.remove_button.on_click(lambda _: self._act("remove"))
         self.kill_button.on_click(lambda _: self._act("kill"))
@@ -89,6 +88,11 @@ class ElasticPanel(BackgroundRun):
                     steps = job.steps()
                     if len(steps):
                         row = steps.iloc[-1]
+                        world = int(row["world_size"])
+                        if self._error_world is not None and world != self._error_world:
+                            # the job moved on: an action's error no longer describes it
+                            self._error_world = None
+                            self.status.value = f"running: world size now {world}"
                         bar.value = int(row["step"])
                         text.value = (
                             f"step {int(row['step'])}, world size "
@@ -125,6 +129,7 @@ class ElasticPanel(BackgroundRun):
     def _buttons(self, running: bool) -> None:
         for b in (self.add_button, self.remove_button, self.kill_button):
             b.disabled = not running
+        self.kill_button.button_style = "danger" if running else ""  # red only when it acts
 
     def _act(self, what: str) -> None:
         job = self.job
@@ -143,6 +148,8 @@ class ElasticPanel(BackgroundRun):
                 job.kill_worker()
         except (ValueError, RuntimeError) as exc:
             self.status.value = f"<span style='color:#b00'>{html.escape(str(exc))}</span>"
+            steps = job.steps()
+            self._error_world = int(steps["world_size"].iloc[-1]) if len(steps) else 0
 
 
 def elastic_panel(

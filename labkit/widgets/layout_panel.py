@@ -17,7 +17,7 @@ import threading
 import ipywidgets as W
 import pandas as pd
 
-from .. import experiment
+from .. import experiment, report
 from ..config import RunConfig
 from ..plots import tensor_parallel as charts
 from ..records import summarize
@@ -120,14 +120,12 @@ class LayoutPanel(BackgroundRun):
             "strategy": cfg.strategy,
             "model": cfg.model + (" + SP" if cfg.sequence_parallel else ""),
             "ranks": cfg.world_size,
-            "step_ms": round(float(summary["step_ms"]), 1),
-            "MB_sent_per_rank_step": round(float(per_step.max()) / 1e6, 3),
-            "params_MiB_per_rank": (  # the memory meter runs in the data/tensor loop only
-                round(float(df["mem_params_bytes"].max()) / 2**20, 3)
-                if "mem_params_bytes" in df
-                else None
+            "step_ms": float(summary["step_ms"]),
+            "bytes_sent_per_rank_step": float(per_step.max()),
+            "param_bytes_per_rank": (  # the memory meter runs in the data/tensor loop only
+                float(df["mem_params_bytes"].max()) if "mem_params_bytes" in df else None
             ),
-            "loss": round(float(summary["loss"]), 5),
+            "loss": float(summary["loss"]),
             "oversubscribed": bool(df["oversubscribed"].iloc[0]),
         }
 
@@ -143,8 +141,9 @@ class LayoutPanel(BackgroundRun):
         last = self.runs[-1]
         note = " (oversubscribed: timings shared the cores)" if last["oversubscribed"] else ""
         return (
-            f"done: run {last['run']}, {self.plan()}: median step {last['step_ms']} ms, "
-            f"{last['MB_sent_per_rank_step']} MB sent per rank per step{note}; "
+            f"done: run {last['run']}, {self.plan()}: median step {last['step_ms']:.1f} ms, "
+            f"{report.human_bytes(last['bytes_sent_per_rank_step'])} sent per rank per "
+            f"step{note}; "
             f"{len(self.runs)} run(s) in the table, one row each"
         )
 

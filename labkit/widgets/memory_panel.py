@@ -58,6 +58,10 @@ class MemoryPanel(BackgroundRun):
         self.accumulate = W.IntSlider(
             value=base.accumulate, min=1, max=8, description="accumulate", style=style
         )
+        for slider in (self.width, self.depth, self.batch, self.world, self.accumulate):
+            # each value recomputes the calculated bars: on release, not at every step of a drag
+            # (a drag across the width slider queued dozens of recomputations)
+            slider.continuous_update = False
         self.chart = W.Output()
         self.controls = W.VBox(
             [

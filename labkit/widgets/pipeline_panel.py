@@ -113,9 +113,11 @@ class PipelinePanel(BackgroundRun):
     def done_message(self, result: experiment.RunResult) -> str:
         df = result.records
         replayed = step_bubbles(df, column="bubble_replay").median()
+        steps = df["step"].nunique()
         return (
-            f"done: {self.plan()}, median bubble measured {self.bubble():.2f}, replayed "
-            f"{replayed:.2f}, closed form {df['bubble_theory'].iloc[0]:.2f}"
+            f"done: {self.plan()}: bubble, median of {steps} steps: measured "
+            f"{self.bubble():.2f}, replayed {replayed:.2f}, closed form "
+            f"{df['bubble_theory'].iloc[0]:.2f} (the chart shows the last step alone)"
         )
 
 

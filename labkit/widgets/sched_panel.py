@@ -132,11 +132,11 @@ class SchedPanel(BackgroundRun):
             ]
         ].copy()
         for col in [c for c in shown if c.endswith("_s")]:
-            shown[col.replace("_s", "_h")] = (shown.pop(col) / 3600).round(2)
+            shown[col[:-2] + "_h"] = shown.pop(col) / 3600
         first = next(iter(self.runs))
         return [
             f"<b>{html.escape(self.plan())}</b>",
-            shown.round(3),
+            shown,
             charts.jct_cdf(self.runs),
             charts.policy_bars(table),
             charts.gantt(self.runs[first], max_jobs=30),

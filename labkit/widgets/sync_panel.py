@@ -125,11 +125,19 @@ class SyncPanel(BackgroundRun):
         if rank != 0:  # rank 0: steps, or the parameter server's updates
             return
         bar, text = self._bars[config_label(cfg)]
-        # the server counts every update; a hogwild rank's cap is the whole run's updates, of
-        # which it makes about its share
-        total = metrics["total"] if cfg.strategy == "async_ps" else cfg.steps
-        bar.max, bar.value = total, min(metrics["step"], total)
-        text.value = f"{metrics['step']}/{total}, loss {metrics['loss']:.3f}"
+        step, loss = metrics["step"], f"loss {metrics['loss']:.3f}"
+        if cfg.strategy == "async_ps":  # rank 0 is the server: it counts every worker's update
+            total = metrics["total"]
+            text.value = f"server: {step}/{total} updates ({cfg.world_size - 1} workers), {loss}"
+        elif cfg.strategy == "hogwild":  # the run ends at world_size x steps updates in all
+            total = cfg.steps  # rank 0's share of them; a faster rank makes more than its share
+            text.value = (
+                f"rank 0: {step} updates (its share {total} of {cfg.world_size * total}), {loss}"
+            )
+        else:
+            total = cfg.steps
+            text.value = f"step {step}/{total}, {loss}"
+        bar.max, bar.value = total, min(step, total)
 
 
 def sync_panel(
