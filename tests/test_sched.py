@@ -27,6 +27,25 @@ def run(jobs, cluster, policy, **kw):
     return {j.job_id: round(j.jct_s, 6) for j in res.jobs}, res
 
 
+def test_progress_is_reported_and_a_stop_request_abandons_the_simulation(monkeypatch):
+    monkeypatch.setattr(sim, "REPORT_EVERY_S", 0.0)  # report at every event: no clock involved
+    jobs = traces.generate(200, rate_per_hour=traces.rate_for_load(1.0, 8), seed=3)
+    seen = []
+    res = sim.simulate(jobs, "1x8", "las", on_progress=lambda done, total: seen.append(done))
+    assert seen == sorted(seen) and seen[-1] == 200 and len(set(seen)) > 10
+    assert all(j.finish_s is not None for j in res.jobs)
+
+    asked = []
+
+    def stop_on_the_tenth_report():
+        asked.append(1)
+        return len(asked) == 10
+
+    with pytest.raises(sim.SimulationStopped, match=r"stopped after \d+ of 200 jobs"):
+        sim.simulate(jobs, "1x8", "las", should_stop=stop_on_the_tenth_report)
+    assert len(asked) == 10  # asked at every report until told to stop, never again after
+
+
 # A needs both GPUs for 10 s; B and C one each, arriving while A runs.
 ABC = [job(0, 0, 2, 10), job(1, 1, 1, 5), job(2, 2, 1, 3)]
 

@@ -205,11 +205,31 @@ def test_ready_line_warns_before_a_run_that_oversubscribes_the_cores():
 def test_stopping_a_simulation_does_not_claim_to_terminate_ranks():
     from labkit.widgets import sched_panel
 
-    panel = sched_panel()
-    panel.jobs.value = panel.jobs.max  # long enough to be stopped midway
-    panel.start()
-    time.sleep(0.3)
-    panel.stop("the Stop button")
-    panel.wait(30)
-    assert "stopped</b> by the Stop button: the simulation was abandoned" in panel.status.value
-    assert "rank" not in panel.status.value
+    panel = sched_panel(jobs=100, policies=("fifo",))
+    assert panel.run() is not None  # an earlier run's table and charts stay below
+    panel.jobs.value = panel.jobs.max  # maxmin takes ~10 s on these 3,000 jobs
+    for policies in (("maxmin",), ("fifo", "maxmin")):
+        panel.policies.value = policies
+        panel.start()
+        deadline = time.time() + 30
+        while time.time() < deadline and not _progress_texts(panel).get("maxmin"):
+            time.sleep(0.02)  # maxmin has reported (fifo, if chosen, is done: ~0.1 s)
+        texts = _progress_texts(panel)  # a bar per policy: its jobs finished
+        assert texts["maxmin"].endswith(f"/{panel.jobs.max:,} jobs finished"), texts
+        t0 = time.time()
+        panel.stop("the Stop button")
+        panel.wait(30)
+        assert time.time() - t0 < 1
+        said = panel.status.value
+        assert "stopped</b> by the Stop button: the simulation was abandoned" in said
+        assert "rank" not in said
+        if policies == ("maxmin",):  # nothing finished: the output is the earlier run's
+            assert "below: an earlier run (100 jobs" in said, said
+        else:  # fifo finished: kept and shown, as this run's
+            assert "showing the runs that had finished" in said and "earlier" not in said, said
+            assert list(panel.table["policy"]) == ["fifo"]
+            assert panel.table["jobs"].iloc[0] == panel.jobs.max
+
+
+def _progress_texts(panel) -> dict:
+    return {row.children[0].description: row.children[1].value for row in panel.bars.children}

@@ -21,7 +21,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .jobs import Job
@@ -29,6 +30,12 @@ from .policies import Policy, elastic_targets, greedy_targets, make_policy
 
 ARRIVE, FINISH, LEVEL, ROUND = 1, 0, 2, 3  # at equal times: finishes first, then arrivals
 PLACEMENTS = ("consolidated", "spread")
+REPORT_EVERY_S = 0.1  # progress and the stop request, read this often while simulating
+
+
+class SimulationStopped(Exception):
+    """``should_stop`` answered yes: the simulation was abandoned part way (it holds nothing,
+    so nothing needs cleaning up)."""
 
 
 @dataclass(frozen=True)
@@ -143,8 +150,14 @@ class Simulator:
         cluster: Cluster,
         policy: Policy | str,
         record_gantt: bool = True,
+        *,
+        on_progress: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
         **policy_options,
     ):
+        """``on_progress(finished, total)`` jobs and ``should_stop()`` are called every
+        ``REPORT_EVERY_S`` of simulation (and progress once at the end); a yes from
+        ``should_stop`` raises ``SimulationStopped``."""
         from .traces import check_fits
 
         check_fits(jobs, cluster.gpus)
@@ -167,6 +180,9 @@ class Simulator:
         self.fill_order: list = []  # round policies: who fills free GPUs next
         self.changed = True  # arrivals or finishes since the last round
         self.n_events = 0
+        self.n_finished = 0
+        self.on_progress, self.should_stop = on_progress, should_stop
+        self.next_report = time.monotonic() + REPORT_EVERY_S
 
     # ---- events ------------------------------------------------------------------------------
 
@@ -183,6 +199,8 @@ class Simulator:
             while self.events and self.events[0][0] == now:
                 t, kind, _, jid, version = heapq.heappop(self.events)
                 self.n_events += 1
+                if time.monotonic() >= self.next_report:
+                    self.report()
                 if kind == ARRIVE:
                     s = _State(by_id[jid])
                     self.active[jid] = s
@@ -207,6 +225,8 @@ class Simulator:
                 r = self.policy.round_s
                 self.push((math.floor(now / r) + 1) * r, ROUND)
                 self.round_pending = True
+        if self.on_progress:
+            self.on_progress(self.n_finished, len(self.jobs))
         return SimResult(
             self.policy.name,
             str(self.cluster),
@@ -216,6 +236,15 @@ class Simulator:
             self.cluster.gpus,
             self.n_events,
         )
+
+    def report(self) -> None:
+        if self.should_stop and self.should_stop():
+            raise SimulationStopped(
+                f"stopped after {self.n_finished} of {len(self.jobs)} jobs finished"
+            )
+        if self.on_progress:
+            self.on_progress(self.n_finished, len(self.jobs))
+        self.next_report = time.monotonic() + REPORT_EVERY_S
 
     # ---- queues ------------------------------------------------------------------------------
 
@@ -434,6 +463,7 @@ class Simulator:
         self.stop(s, now)
         s.job.finish_s = now
         s.job.gpu_seconds = s.gpu_s
+        self.n_finished += 1
         del self.active[s.job.job_id]
 
     def _segment(self, s: _State, now: float) -> None:
@@ -459,13 +489,24 @@ def simulate(
     policy: Policy | str = "fifo",
     *,
     record_gantt: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
     **policy_options,
 ) -> SimResult:
     """Run ``jobs`` on ``cluster`` ('4x8' or a Cluster) under ``policy``; the jobs you pass are
-    not changed (each run works on fresh copies)."""
+    not changed (each run works on fresh copies). ``on_progress``/``should_stop``: see
+    ``Simulator``."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
-    return Simulator(jobs, cluster, policy, record_gantt, **policy_options).run()
+    return Simulator(
+        jobs,
+        cluster,
+        policy,
+        record_gantt,
+        on_progress=on_progress,
+        should_stop=should_stop,
+        **policy_options,
+    ).run()
 
 
 def _pct(values: list[float], q: float) -> float:

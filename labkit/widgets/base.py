@@ -117,6 +117,9 @@ class BackgroundRun:
         self.run_button = W.Button(description="Run", button_style="primary", icon="play")
         self.stop_button = W.Button(description="Stop", icon="stop", disabled=True)
         self.status, self.bars, self.out = W.HTML(), W.VBox(), W.Output()
+        self.running: str | None = None  # the plan of the run in progress or last started
+        self.shown: str | None = None  # the plan of the run whose results the output shows
+        self.shown_now = False  # whether the output is the current run's
         self.trace_button = W.Button(
             description="Save trace",
             icon="download",
@@ -181,6 +184,7 @@ class BackgroundRun:
             self._fail(exc)
             return None
         self.bars.children = []
+        self.running, self.shown_now = description, False  # below: an earlier run's, so far
         self.status.value = f"running {description}"
         self.run_button.disabled, self.stop_button.disabled = True, False
         _RUNNING.add(self)
@@ -197,9 +201,11 @@ class BackgroundRun:
             self.status.value = (
                 f"<b>stopped</b> by {self.stopped_by or 'Stop'}: {self.stopped_what}"
                 f"{'; showing the runs that had finished' if kept is not None else ''}"
+                f"{self._older()}"
             )
         except Exception as exc:  # shown in the panel; kept for the caller
             self._fail(exc)
+            self.status.value += self._older()
         finally:
             _RUNNING.discard(self)
             self.run_button.disabled, self.stop_button.disabled = False, True
@@ -248,6 +254,13 @@ class BackgroundRun:
         )
         return path
 
+    def _older(self) -> str:
+        """Under a stop or an error, what the output below still shows, if anything (a learner
+        must not read an earlier run's numbers as this one's)."""
+        if not self.out.outputs or self.shown is None or self.shown_now:
+            return ""
+        return f"<br>below: an earlier run ({html.escape(self.shown)}), not this one"
+
     def _fail(self, exc: BaseException) -> None:
         self.error = exc
         self.bars.children = []  # no stale progress under an error
@@ -258,6 +271,7 @@ class BackgroundRun:
     def show(self, *objs) -> None:
         """Replace what the panel shows (works from any thread: see the module docstring)."""
         self.out.outputs = tuple(mime_output(o) for o in objs)
+        self.shown, self.shown_now = (self.running, True) if objs else (None, False)
 
     def progress_bars(self, labels: list[str], total: int) -> list[tuple[W.IntProgress, W.HTML]]:
         rows = [

@@ -10,6 +10,7 @@ import threading
 import ipywidgets as W
 import pandas as pd
 
+from ..launch import LaunchCancelled
 from ..plots import scheduling as charts
 from ..sched import sim, traces
 from ..sched.policies import POLICIES
@@ -69,6 +70,7 @@ class SchedPanel(BackgroundRun):
         )
         self.table: pd.DataFrame | None = None
         self.runs: dict = {}
+        self._finished: tuple[list, dict] = ([], {})
         self.widget = self.layout()
         for c in (self.load, self.nodes, self.gpus, self.high, self.jobs, self.policies):
             c.observe(lambda _: self.check_controls(), names="value")
@@ -101,17 +103,30 @@ class SchedPanel(BackgroundRun):
             high_priority=self.high.value,
             curves=("good", "poor"),
         )
-        rows, runs = [], {}
-        bars = self.progress_bars(["policies"], len(self.policies.value))
-        for i, p in enumerate(self.policies.value):
-            if cancel.is_set():
-                from ..launch import LaunchCancelled
+        rows, runs = self._finished = [], {}  # kept as they finish: a Stop keeps them
+        policies = list(self.policies.value)
+        bars = self.progress_bars(policies, len(jobs))  # a bar per policy: its jobs finished
 
+        for (bar, text), p in zip(bars, policies):
+
+            def progress(finished: int, total: int, bar=bar, text=text) -> None:
+                bar.value, text.value = finished, f"{finished:,}/{total:,} jobs finished"
+
+            if cancel.is_set():  # between policies (a fast one may never ask)
                 raise LaunchCancelled("stopped")
-            runs[p] = sim.simulate(jobs, c, p)
+            try:
+                runs[p] = sim.simulate(jobs, c, p, on_progress=progress, should_stop=cancel.is_set)
+            except sim.SimulationStopped as exc:
+                raise LaunchCancelled(str(exc)) from None
             rows.append(runs[p].metrics())
-            bars[0][0].value = i + 1
         self.table, self.runs = pd.DataFrame(rows), runs
+        return self.table
+
+    def partial(self) -> pd.DataFrame | None:
+        rows, runs = self._finished
+        if not rows:
+            return None
+        self.table, self.runs = pd.DataFrame(rows), dict(runs)
         return self.table
 
     def render(self, table: pd.DataFrame) -> list:
