@@ -394,13 +394,13 @@ class ElasticJob:
                 p.terminate()
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        alive = _wait_gone(procs, grace_s)
         for p in alive:
             try:
                 p.kill()
             except psutil.Error:
                 pass
-        psutil.wait_procs(alive, timeout=grace_s)
+        _wait_gone(alive, grace_s)
         for a in self.agents:
             try:
                 a.proc.wait(timeout=grace_s)
@@ -424,6 +424,27 @@ class ElasticJob:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until each process has exited, at most ``timeout_s``; those still running. A
+    zombie counts as gone: a worker whose agent died is re-parented to an init that may never
+    reap it, and ``psutil.wait_procs`` would wait out its whole timeout on it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for p in psutil.wait_procs(procs, timeout=0)[0]:  # reap our own children
+            procs = [q for q in procs if q is not p]
+        procs = [p for p in procs if _running(p)]
+        if not procs or time.monotonic() >= deadline:
+            return procs
+        time.sleep(0.02)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 _LIVE: weakref.WeakSet[ElasticJob] = weakref.WeakSet()

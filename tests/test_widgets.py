@@ -233,3 +233,25 @@ def test_stopping_a_simulation_does_not_claim_to_terminate_ranks():
 
 def _progress_texts(panel) -> dict:
     return {row.children[0].description: row.children[1].value for row in panel.bars.children}
+
+
+def test_stopping_an_elastic_run_answers_within_a_second_and_leaves_no_process():
+    import psutil
+
+    from labkit.widgets import elastic_panel
+
+    panel = elastic_panel(SMALL.replace(strategy="ddp", steps=2000, pace_s=0.05, timeout_s=60))
+    panel.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and "step" not in "".join(_progress_texts(panel).values()):
+        time.sleep(0.05)  # torchrun's agent and its worker are training
+    job = panel.job
+    procs = [psutil.Process(a.proc.pid) for a in job.agents]
+    procs += [c for p in procs for c in p.children(recursive=True)]
+    assert len(procs) >= 2, procs  # an agent and its worker
+    t0 = time.time()
+    panel.stop("the Stop button")
+    panel.wait(30)
+    assert time.time() - t0 < 1.5, time.time() - t0
+    assert "stopped</b> by the Stop button" in panel.status.value
+    assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

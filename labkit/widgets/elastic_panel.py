@@ -16,6 +16,8 @@ from ..launch import LaunchCancelled
 from ..plots.elastic import elastic_timeline
 from .base import BackgroundRun
 
+STOP_GRACE_S = 0.5  # SIGTERM, then SIGKILL what is left: a Stop answers within a second
+
 
 class ElasticPanel(BackgroundRun):
     """Steps, checkpoint interval and the most nodes; Add node / Remove node / Kill a worker
@@ -105,7 +107,9 @@ class ElasticPanel(BackgroundRun):
             return job
         finally:
             self._buttons(False)
-            job.close()
+            # a Stop need not wait for torchrun's own shutdown: the checkpoints are on disk
+            # (written whole, then renamed), so what is still running after STOP_GRACE_S is killed
+            job.close(grace_s=STOP_GRACE_S if cancel.is_set() else 5.0)
 
     def render(self, job: ElasticJob) -> list:
         steps = job.steps()
