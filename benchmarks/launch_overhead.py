@@ -26,11 +26,11 @@ import time
 from datetime import datetime, timezone
 
 WORLD_SIZE = 2
-# Goals (issue 7): first launch in a kernel <= 1.5 s; a warm launch at most half as long as
-# Accelerate's notebook_launcher measured in the same run (0.154 s here when it is absent).
+# Goals: first launch in a kernel <= 1.5 s; a warm launch at most half as long as Accelerate's
+# notebook_launcher measured in the same run (without Accelerate that goal is not judged: a
+# baseline from another run on another day is not a side-by-side).
 FIRST_LAUNCH_GOAL_S = 1.5
 WARM_RATIO_GOAL = 0.5
-NOTEBOOK_LAUNCHER_REFERENCE_S = 0.154
 
 
 # ---- what every rank does ----------------------------------------------------------------------
@@ -193,21 +193,18 @@ def summarise(measured: dict, with_accelerate: bool) -> dict:
         "labkit first launch / mp.spawn": medians["labkit first launch"] / medians["mp.spawn"],
         "labkit later launch / mp.spawn": medians["labkit later launch"] / medians["mp.spawn"],
     }
-    reference = NOTEBOOK_LAUNCHER_REFERENCE_S
-    if with_accelerate:
-        reference = medians["accelerate notebook_launcher"]
     goals = {
         f"first launch <= {FIRST_LAUNCH_GOAL_S:g} s": medians["labkit first launch"]
-        <= FIRST_LAUNCH_GOAL_S,
-        f"later launch <= {WARM_RATIO_GOAL:g} x notebook_launcher ({reference:.3f} s"
-        f"{'' if with_accelerate else ', the issue figure: accelerate is not installed'})": medians[
-            "labkit later launch"
-        ]
-        <= WARM_RATIO_GOAL * reference,
+        <= FIRST_LAUNCH_GOAL_S
     }
-    ratios["labkit/notebook_launcher warm launch ratio"] = (
-        medians["labkit later launch"] / reference
-    )
+    if with_accelerate:
+        reference = medians["accelerate notebook_launcher"]
+        goals[f"later launch <= {WARM_RATIO_GOAL:g} x notebook_launcher ({reference:.3f} s)"] = (
+            medians["labkit later launch"] <= WARM_RATIO_GOAL * reference
+        )
+        ratios["labkit/notebook_launcher warm launch ratio"] = (
+            medians["labkit later launch"] / reference
+        )
     return {"medians_s": medians, "ratios": ratios, "goals": goals}
 
 
@@ -232,8 +229,13 @@ def print_report(measured: dict, summary: dict, with_accelerate: bool) -> None:
         print(f"{name}: {value:.2f}x")
     for goal, met in summary["goals"].items():
         print(f"goal {goal}: {'met' if met else 'NOT met'}")
-    ratio = summary["ratios"]["labkit/notebook_launcher warm launch ratio"]
-    print(f"labkit/notebook_launcher warm launch ratio: {ratio:.2f}")
+    ratio = summary["ratios"].get("labkit/notebook_launcher warm launch ratio")
+    print(
+        f"labkit/notebook_launcher warm launch ratio: {ratio:.2f}"
+        if ratio is not None
+        else "labkit/notebook_launcher warm launch ratio: not measured (Accelerate is not "
+        "installed: `make bench` installs it for this side-by-side)"
+    )
 
 
 def _torch_version() -> str:

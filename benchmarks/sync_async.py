@@ -104,10 +104,16 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"config": base.to_dict(), "target": target, "rows": rows}, f, indent=1)
     slow = {r["mode"]: r for r in rows if r["straggler"] > 1}
+    missing = [m for m in ("async_ps", "ddp") if math.isnan(slow[m]["seconds_to_target"])]
+    headline = f"async_ps / ddp seconds to target under a {args.straggler:g}x straggler ratio"
+    if missing:  # a ratio of a run that never got there is not a number to report
+        print(
+            f"{headline}: not measured: {' and '.join(missing)} did not reach the target loss "
+            f"{target:.3f} in any round (run more steps)"
+        )
+        return 0
     ratio = slow["async_ps"]["seconds_to_target"] / slow["ddp"]["seconds_to_target"]
-    print(
-        f"async_ps / ddp seconds to target under a {args.straggler:g}x straggler ratio: {ratio:.2f}"
-    )
+    print(f"{headline}: {ratio:.2f}")
     return 0
 
 

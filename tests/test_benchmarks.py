@@ -39,9 +39,13 @@ def test_launch_overhead_quick(tmp_path):
     assert re.search(rf"^labkit later launch / mp\.spawn: {NUMBER}x$", text, re.M), text
     assert re.search(rf"^labkit first launch / mp\.spawn: {NUMBER}x$", text, re.M), text
     assert ("not installed, skipped" in text) or ("accelerate notebook_launcher" in text), text
-    assert re.fullmatch(rf"labkit/notebook_launcher warm launch ratio: {NUMBER}", lines[-1]), lines[
-        -1
-    ]
+    # the baseline is measured beside labkit in the same run, or said to be missing
+    assert re.fullmatch(
+        rf"labkit/notebook_launcher warm launch ratio: ({NUMBER}|not measured \(Accelerate is "
+        r"not installed: `make bench` installs it for this side-by-side\))",
+        lines[-1],
+    ), lines[-1]
+    assert "nan" not in text and "0.154" not in text  # no figure from another run
 
     out = json.loads((tmp_path / "launch.json").read_text())
     assert out["repeats"] == 2
@@ -131,9 +135,10 @@ def test_sync_async_quick(tmp_path):
         assert sum(bool(re.match(rf"^\s*{mode}\s+\d", line)) for line in lines) == 2, lines
     assert re.fullmatch(
         rf"async_ps / ddp seconds to target under a 3x straggler ratio: "
-        rf"({NUMBER}|nan)",
+        rf"({NUMBER}|not measured: .* did not reach the target loss {NUMBER} in any round .*)",
         lines[-1],
     ), lines[-1]
+    assert not any(re.search(r"\bnan\b", line) for line in lines[-1:]), lines[-1]
     out = json.loads((tmp_path / "sa.json").read_text())
     assert [r["straggler"] for r in out["rows"]] == [1.0] * 5 + [3.0] * 5
 
@@ -150,3 +155,44 @@ def test_comm_drift_quick(tmp_path):
     out = json.loads((tmp_path / "drift.json").read_text())
     assert len(out["block_medians_s"]) == 1 and len(out["block_medians_s"][0]) == 2
     assert all(m > 0 for m in out["block_medians_s"][0])
+
+
+@pytest.mark.slow
+def test_sched_speed_quick(tmp_path):
+    from labkit.sched.policies import POLICIES
+
+    lines = run_bench("sched_speed.py", tmp_path / "sched.json")
+    for policy in POLICIES:  # seconds, events, mean JCT (h), utilisation
+        row = rf"^{policy}\s+{NUMBER}\s+\d+\s+{NUMBER}\s+{NUMBER}$"
+        assert any(re.match(row, x) for x in lines), (policy, lines)
+    assert re.fullmatch(rf"slowest policy / goal ratio: {NUMBER}", lines[-1]), lines[-1]
+    out = json.loads((tmp_path / "sched.json").read_text())
+    assert out["jobs"] == 1000 and set(out["times_s"]) == set(POLICIES)
+    assert all(t and all(s > 0 for s in t) for t in out["times_s"].values())
+
+
+@pytest.mark.slow
+def test_predictions_quick(tmp_path):
+    lines = run_bench("predictions.py", tmp_path / "pred.json")
+    assert re.match(r"predictor \|error\| at world size 2: ", lines[-2]), lines[-2]
+    assert re.fullmatch(
+        rf"bubble \|predicted - measured\|: max {NUMBER} over rows not busy .*", lines[-1]
+    ), lines[-1]
+    out = json.loads((tmp_path / "pred.json").read_text())
+    assert len(out["steps"]) == 4 and len(out["bubbles"]) == 6
+    # every predicted bubble comes from the calibration runs at other M, never from itself
+    predicted = [b for b in out["bubbles"] if b["role"] == "predicted"]
+    assert predicted and all(b["M"] not in (1, 8) for b in predicted), predicted
+    assert "nan" not in lines[-1]
+
+
+@pytest.mark.slow
+def test_torchrun_exit_quick():
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "torchrun_exit.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.fullmatch(r"torchrun exit aborts: \d of 3 runs", proc.stdout.strip().splitlines()[-1])
