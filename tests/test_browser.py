@@ -255,6 +255,12 @@ def run_and_watch_bars(page, button, stop) -> float:
     return seen, t0
 
 
+def interrupt_kernel(page) -> None:
+    """The kernel's Interrupt, from JupyterLab's Kernel menu."""
+    page.click(".lm-MenuBar-itemLabel:text-is('Kernel')")
+    page.click(".lm-Menu-itemLabel:text-is('Interrupt Kernel')")
+
+
 def kernel_ranks(lab) -> list[psutil.Process]:
     """Rank processes still alive under the kernel (children of its forkserver)."""
     ranks = []
@@ -317,11 +323,9 @@ def test_data_parallel_panel_in_a_browser(lab, browser):
     assert stop_s < 5, f"Stop took {stop_s:.1f} s"
 
     # the kernel's Interrupt (Kernel menu) stops a panel run too
-    def interrupt():
-        page.click(".lm-MenuBar-itemLabel:text-is('Kernel')")
-        page.click(".lm-Menu-itemLabel:text-is('Interrupt Kernel')")
-
-    seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')", interrupt)
+    seen, t0 = run_and_watch_bars(
+        page, ".widget-button:has-text('Run')", lambda: interrupt_kernel(page)
+    )
     wait_status(page, r"by the kernel's Interrupt", 10)
     page.screenshot(path=str(OUT / "browser-01-interrupted.png"), full_page=True)
     assert time.time() - t0 < 5
@@ -508,6 +512,24 @@ def test_scheduling_panel_in_a_browser(lab, browser):
     page.screenshot(path=str(OUT / "browser-08-after-run.png"), full_page=True)
     assert "lowest mean JCT" in status, status
     assert "on 8x8 (64 GPUs)" in shown and "Allocations under fifo" in shown, shown[:800]
+
+    # a long simulation (3,000 jobs under max-min fairness, several seconds): its bar counts the
+    # jobs finished, and the kernel's Interrupt, then Stop, abandon it within a few seconds; the
+    # 8x8 run's results stay below, said to be an earlier run's
+    set_slider(page, "jobs", "3000")
+    page.select_option(".widget-select-multiple select", ["maxmin"])
+    wait_status(page, r"ready: 3000 jobs .* on 8x8 \(64 GPUs\): maxmin", 10)
+    for stop, said in (
+        (lambda: interrupt_kernel(page), "the kernel's Interrupt"),
+        (lambda: page.click(".widget-button:has-text('Stop')"), "the Stop button"),
+    ):
+        seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')", stop)
+        status = wait_status(page, rf"stopped by {said}", 10)
+        assert seen > 0.02 and time.time() - t0 < 5, (seen, time.time() - t0)
+        assert "the simulation was abandoned" in status, status
+        assert "below: an earlier run (300 jobs" in status and "8x8" in status, status
+    assert "Allocations under fifo" in panel_output(page)  # the earlier run, still shown
+    page.screenshot(path=str(OUT / "browser-08-stopped.png"), full_page=True)
     assert not kernel_ranks(lab)
     page.close()
 
@@ -541,11 +563,9 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     set_slider(page, "steps", "200")
     wait_status(page, r"ready: dp_tp: dp 2 x tp 2", 10)
 
-    def interrupt():
-        page.click(".lm-MenuBar-itemLabel:text-is('Kernel')")
-        page.click(".lm-Menu-itemLabel:text-is('Interrupt Kernel')")
-
-    seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')", interrupt)
+    seen, t0 = run_and_watch_bars(
+        page, ".widget-button:has-text('Run')", lambda: interrupt_kernel(page)
+    )
     wait_status(page, r"by the kernel's Interrupt", 10)
     assert seen > 0.02 and time.time() - t0 < 5, (seen, time.time() - t0)
     time.sleep(1)
