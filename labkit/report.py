@@ -65,9 +65,15 @@ def readable(table: pd.DataFrame) -> pd.DataFrame:
         header, fmt = _quantity(name)
         if fmt is None:
             whole = values.dropna().map(lambda v: float(v).is_integer()).all()
-            fmt = (lambda v: f"{int(v):,}") if whole else (lambda v: f"{v:.4g}")
+            fmt = (lambda v: f"{int(v):,}") if whole else _plain
         out[header] = values.map(lambda v, f=fmt: "" if _missing(v) else f(v))
     return pd.DataFrame(out, index=table.index)
+
+
+def _plain(v: float) -> str:
+    """A number with no named quantity: four significant digits below 1,000, whole numbers with
+    thousands separators from there (12,093 GPU-hours, not 1.209e+04)."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
 def _quantity(name: str):

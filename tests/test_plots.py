@@ -70,6 +70,9 @@ def test_tables_for_people_round_by_quantity_and_name_the_unit():
         "yes",
     ]
     assert shown.iloc[1].tolist() == ["single", "1", "880", "7.0", "0 B", "1.5", "100%", "", ""]
+    # a number with no unit in its name: four significant digits, no exponent
+    plain = readable(pd.DataFrame({"gpu_hours": [12093.4, 0.72334]}))["gpu hours"].tolist()
+    assert plain == ["12,093", "0.7233"]
 
 
 def test_every_panel_table_goes_through_the_one_formatter():
