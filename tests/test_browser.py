@@ -436,11 +436,22 @@ def test_elastic_panel_in_a_browser(lab, browser):
     wait_status(page, r"step \d+, world size 1", 120)
     page.click(".widget-button:has-text('Add a node')")
     wait_status(page, r"step \d+, world size 2", 180)
+    t0 = time.time()
     page.click(".widget-button:has-text('Stop')")
-    status = wait_status(page, r"stopped by", 60)
+    status = wait_status(page, r"stopped by the Stop button", 60)
+    stop_s = time.time() - t0
     shown = panel_output(page)
     page.screenshot(path=str(OUT / "browser-07-join.png"), full_page=True)
     assert "join" in shown and "an elastic job over time" in shown, (status, shown[:800])
+    assert stop_s < 5, f"Stop took {stop_s:.1f} s"
+
+    # Run again; the kernel's Interrupt stops the torchrun job as fast as Stop does
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"step \d+, world size 1", 120)
+    t0 = time.time()
+    interrupt_kernel(page)
+    wait_status(page, r"stopped by the kernel's Interrupt", 60)
+    assert time.time() - t0 < 5, f"Interrupt took {time.time() - t0:.1f} s"
     # every agent and worker the panel started is gone
     left = [
         p
