@@ -440,3 +440,34 @@ def test_several_nodes_with_restarts_on_a_shared_store_are_refused_naming_the_va
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the variable was set
     refuse_shared_store_restarts()
+
+
+def test_cleanup_counts_a_zombie_as_gone_instead_of_waiting_out_its_grace():
+    # A worker killed while its parent (torchrun's agent, here a stand-in) does not reap it stays
+    # a zombie: its pid exists until the parent goes. psutil.wait_procs waits out the whole
+    # grace period on it (a Stop took 1.2 s with a 0.5 s grace); close() must not.
+    from labkit.elastic import _wait_gone
+
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, time; w = subprocess.Popen(['sleep', '60']); "
+            "print(w.pid, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker = psutil.Process(int(agent.stdout.readline()))
+        worker.kill()
+        deadline = time.time() + 10
+        while worker.status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+            time.sleep(0.02)
+        assert worker.status() == psutil.STATUS_ZOMBIE  # killed, not reaped by its parent
+        t0 = time.monotonic()
+        assert _wait_gone([worker], 5.0) == []
+        assert time.monotonic() - t0 < 1
+    finally:
+        agent.kill()
+        agent.wait()
