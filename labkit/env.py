@@ -190,6 +190,30 @@ def warn_if_oversubscribed(ranks: int, threads_per_rank: int = 1) -> str | None:
 
 
 @cache
+def matmul_flops_per_s(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """This machine's matmul rate in FLOP/s on ``device`` (on a CPU with every core at work):
+    1024 x 1024 products in ``dtype``, the best of five windows of 30 ms (a window another
+    program shared reads slow; the best is the machine's), measured once per process.
+    Training's smaller and thinner products run slower than this, so FLOPs divided by it bound
+    a run's compute time from below (``labkit.predict.step.compute_floor_s``)."""
+    import time
+
+    a = torch.randn(1024, 1024, device=device).to(dtype)
+    a @ a  # the first product pays for thread pools and kernel selection
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
+    best = 0.0
+    for _ in range(5):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.03:
+            a @ a
+            n += 1
+            sync()
+        best = max(best, n * 2 * 1024**3 / (time.perf_counter() - t0))
+    return best
+
+
+@cache
 def fp16_supported(device_type: str) -> bool:
     """Does this torch run fp16 autocast and a GradScaler on ``device_type``? (Tried, not
     assumed: torch 2.14.1 does on CPU; older releases raised.)"""

@@ -62,6 +62,25 @@ def measure(
     return average(results)
 
 
+def flops_per_sample(cfg: RunConfig, model_fn=None, data_fn=None) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one sample through ``cfg``'s model, counted by torch's
+    ``FlopCounterMode`` (matmuls and convolutions) on the meta device: from the shapes alone,
+    nothing is allocated or computed, so a model too large to run is counted in milliseconds."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    fns = Factories(model_fn, data_fn)
+    x = fns.dataset(cfg.replace(dataset_size=cfg.global_batch))[0][0]
+    with torch.device("meta"):
+        model = fns.model(cfg)
+    inp = torch.empty((1, *x.shape), dtype=x.dtype, device="meta")
+    with FlopCounterMode(display=False) as forward:
+        out = model(inp)
+    with FlopCounterMode(display=False) as backward:
+        out.float().sum().backward()
+    return float(forward.get_total_flops()), float(backward.get_total_flops())
+
+
 def average(profiles: list[Profile]) -> Profile:
     """One profile from every rank's: the mean of each time."""
     first = profiles[0]

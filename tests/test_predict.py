@@ -124,3 +124,32 @@ def test_measured_median_step_falls_in_the_predicted_band(size):
             pytest.skip(f"the machine was busy during {strategy}: {report}")
         low, high = p.step_s_p10 * (1 - BAND_MARGIN), p.step_s_p90 * (1 + BAND_MARGIN)
         assert low <= t["step_ms"] / 1e3 <= high, report
+
+
+def test_flops_per_sample_counts_what_the_formula_says():
+    """FlopCounterMode on the meta device against the MLP's formula: a forward computes
+    2·in·out per Linear; backward computes each weight's gradient (2·in·out) and each input's,
+    except the first layer's (the data need no gradient)."""
+    from labkit import RunConfig
+    from labkit.profile import flops_per_sample
+
+    cfg = RunConfig(width=96, depth=3, in_features=32, classes=10)
+    dims = [(32, 96), (96, 96), (96, 96), (96, 10)]
+    forward, backward = flops_per_sample(cfg)
+    assert forward == sum(2 * a * b for a, b in dims)
+    assert backward == 2 * forward - 2 * dims[0][0] * dims[0][1]
+
+
+def test_compute_floor_is_below_a_measured_run():
+    """The floor a panel announces before Run holds against a run on real ranks: FLOPs counted
+    from the model's shapes, the rate from a matmul, the time from the run's own steps."""
+    from labkit import RunConfig, experiment
+    from labkit.env import matmul_flops_per_s
+    from labkit.predict.step import compute_floor_s
+    from labkit.profile import flops_per_sample
+
+    cfg = RunConfig(strategy="ddp", world_size=2, width=1024, depth=4, global_batch=512, steps=4)
+    floor = compute_floor_s(cfg.replace(warmup=0), *flops_per_sample(cfg), matmul_flops_per_s())
+    measured = experiment.run(cfg).records.groupby("step")["step_s"].max().sum()
+    assert 0 < floor <= measured, (floor, measured)
+    assert floor > 0.05 * measured  # a floor, not a number a thousand times too small

@@ -19,6 +19,9 @@ from ..predict.schedule import (
 )
 
 _COLORS = {"F": "#4C78A8", "B": "#F58518"}
+# micro-batch numbers at one size, and none on a bar too short to hold it (M = 16 crowded the
+# bars with shrunken, overlapping digits); hovering a bar still names its micro-batch
+_LABELS_THAT_FIT = dict(uniformtext_minsize=9, uniformtext_mode="hide")
 
 
 def _gantt_traces(events: Sequence[dict], show_legend: bool = True) -> list[go.Bar]:
@@ -55,6 +58,7 @@ def gantt(events: Sequence[dict], title: str = "pipeline timeline", unit: str = 
         xaxis_title=f"time ({unit})",
         yaxis=dict(autorange="reversed"),
         height=120 + 50 * _n_stages(events),
+        **_LABELS_THAT_FIT,
     )
     return fig
 
@@ -85,17 +89,17 @@ def gantt_vs_theory(
         rows=3,
         cols=1,
         shared_xaxes=True,
-        vertical_spacing=0.09,
+        vertical_spacing=0.12,
         subplot_titles=(
             f"measured, one step ({schedule}, P={stages}, M={microbatches}): bubble "
             f"{measured:.2f} in this step",
             (
-                "replayed on this step's own measured costs (a replay, not a prediction"
+                "replayed on this step's own measured costs (a replay, not a prediction)"
                 if replay
-                else "predicted from other runs' measured costs ("
+                else "predicted from other runs' measured costs"
             )
-            + f"; hand-off {1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
-            f"{1e3 * max(costs.gap_s, default=0):.2f} ms): expected bubble "
+            + f"<br>hand-off {1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
+            f"{1e3 * max(costs.gap_s, default=0):.2f} ms: expected bubble "
             f"{predicted['bubble']:.2f}",
             f"closed form, equal stages and free hand-offs: (P-1)/(M+P-1) = "
             f"{theory_bubble(stages, microbatches):.2f}",
@@ -107,7 +111,10 @@ def gantt_vs_theory(
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(title_text="seconds from step start", row=3, col=1)
     fig.update_layout(
-        barmode="overlay", height=260 + 120 * stages, margin=dict(t=60, b=40, l=70, r=20)
+        barmode="overlay",
+        height=260 + 120 * stages,
+        margin=dict(t=60, b=40, l=70, r=20),
+        **_LABELS_THAT_FIT,
     )
     return fig
 

@@ -686,3 +686,16 @@ def straggler_throughput(factors: Sequence[float], mode: str) -> float:
     raise ValueError(
         f"unknown mode {mode!r}: choose ddp, ddp_naive, local_sgd, diloco, async_ps or hogwild"
     )
+
+
+def compute_floor_s(
+    cfg, forward_flops: float, backward_flops: float, flops_per_s: float, devices: int = 1
+) -> float:
+    """A lower bound on the seconds ``cfg``'s run computes: one sample's FLOPs
+    (``labkit.profile.flops_per_sample``; activation checkpointing runs each forward twice)
+    times every sample of every step, warm-up included, over ``devices`` devices each at
+    ``flops_per_s`` (``labkit.env.matmul_flops_per_s``: on a CPU the whole machine, so 1).
+    Not a prediction: communication, the optimizer, launching and slower small products all
+    come on top of it. A panel says it before a run that will take long."""
+    per_sample = forward_flops * (2 if cfg.activation_checkpointing else 1) + backward_flops
+    return per_sample * cfg.global_batch * (cfg.steps + cfg.warmup) / (flops_per_s * devices)

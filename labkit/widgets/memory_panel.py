@@ -5,6 +5,7 @@ real ranks: counted bytes beside calculated ones, with the error per category.""
 from __future__ import annotations
 
 import threading
+import time
 
 import ipywidgets as W
 import pandas as pd
@@ -12,11 +13,15 @@ import psutil
 
 from .. import experiment
 from ..config import PRECISIONS, RunConfig
+from ..env import matmul_flops_per_s, resolve_device
 from ..memory import CATEGORIES, adam, calculator_error, memory_table, predict
 from ..plots import memory as charts
+from ..predict.step import compute_floor_s
+from ..profile import flops_per_sample
 from .base import BackgroundRun, mime_output
 
 _OPTIMIZERS = {"SGD with momentum": "sgd_momentum", "Adam": "adam"}
+LONG_S = 10.0  # a run whose matmuls alone take longer is announced before Run
 
 
 class MemoryPanel(BackgroundRun):
@@ -144,14 +149,31 @@ class MemoryPanel(BackgroundRun):
                 f"{free:,.0f} MiB of free memory: the bar shows the calculation; "
                 f"lower width, depth or batch to measure it"
             )
-        return (
+        said = (
             f"{self.label(cfg)}: {mib:.2f} MiB per rank (calculated); Run measures it on "
             f"{cfg.ranks} rank(s)"
+        )
+        floor = self.floor_s(cfg)
+        if floor >= LONG_S:
+            said += (
+                f"; it takes at least {floor:,.0f} s: its matmuls alone, at this machine's "
+                f"measured matmul rate (lower width, depth, batch or steps for a quicker run)"
+            )
+        return said
+
+    @staticmethod
+    def floor_s(cfg: RunConfig) -> float:
+        """The run's compute time from below (``labkit.predict.step.compute_floor_s``)."""
+        kind = resolve_device(cfg.device, cfg.ranks)
+        rate = matmul_flops_per_s(kind if kind == "cpu" else "cuda")
+        return compute_floor_s(
+            cfg, *flops_per_sample(cfg), rate, devices=1 if kind == "cpu" else cfg.ranks
         )
 
     def execute(self, cancel: threading.Event):
         cfg = self.config()
         self._bars = self.progress_bars([f"rank {r}" for r in range(cfg.ranks)], cfg.steps)
+        t0 = time.perf_counter()
         res = experiment.run(
             cfg,
             cancel=cancel,
@@ -159,6 +181,7 @@ class MemoryPanel(BackgroundRun):
             on_progress=lambda r, m: self._progress(r, m),
         )
         err = calculator_error(res.records, cfg, self.opt)
+        self.took_s = time.perf_counter() - t0
         self.finished.append((self.label(cfg), cfg, res.records, err))
         return self.finished[-1]
 
@@ -193,10 +216,11 @@ class MemoryPanel(BackgroundRun):
         ]
 
     def done_message(self, result) -> str:
-        label, _, _, err = result
+        label, cfg, _, err = result
         return (
             f"done: {label}: calculator within {err['error'].abs().max():.1%} of the counted "
-            f"bytes in every category ({len(self.finished)} run(s) in the table)"
+            f"bytes in every category ({len(self.finished)} run(s) in the table); took "
+            f"{self.took_s:.1f} s, of which the matmuls take at least {self.floor_s(cfg):.1f} s"
         )
 
     def _progress(self, rank: int, metrics: dict) -> None:
