@@ -148,45 +148,15 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         if server.version >= budget:  # the run has its updates: this one is not applied
             dist.send(stop, dst=src)
             continue
-        stale = server.push(src, inbox[HEADER:], int(version))
+        server.push(src, inbox[HEADER:], int(version), loss=loss, samples=samples)
         t2 = time.perf_counter()
         answer(src)
         t3 = time.perf_counter()
         sent = wire.take()  # the push received, the reply sent (and stops since the last one)
         step = server.version - 1 - warmup_updates
-        if step >= 0:
-            base = {
-                "strategy": "async_ps",
-                "world_size": cfg.world_size,
-                "rank": 0,
-                "device": str(ctx.device),
-                "global_batch": cfg.global_batch,
-                "accumulate": 1,
-                "threads": torch.get_num_threads(),
-            }
-            # the server's time between updates: waiting for a push, applying it, replying
-            times = {"wait_s": t1 - last, "comm_s": t3 - t2, "optimizer_s": t2 - t1,
-                     "step_s": t3 - last}  # fmt: skip
-            records.append(
-                record(
-                    base,
-                    step,
-                    loss,
-                    samples,
-                    times,
-                    start_s=last,
-                    cpu_share=float("nan"),
-                    device=ctx.device,
-                    comm_bytes=sent["comm_bytes"],
-                    comm_calls=sent["comm_calls"],
-                    comm_payload_bytes=sent["comm_payload_bytes"],
-                    role="server",
-                    worker=src,
-                    staleness=stale,
-                    lr_scale=server.log[-1]["lr_scale"],
-                    grad_version=int(version),
-                )
-            )
+        if step >= 0:  # the server's time between updates: waiting, applying, replying
+            times = {"wait_s": t1 - last, "optimizer_s": t2 - t1, "comm_s": t3 - t2}
+            records.append(update_record(cfg, ctx, server, step, last, t3, times, sent, src))
             progress(step + 1, loss, int(samples))
         last = t3
     load_flat(model, server.param.detach())
@@ -196,6 +166,39 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         "params": final_state(cfg, model),
         "updates": server.version,
     }
+
+
+def update_record(cfg, ctx, server, step, start, end, times, sent, worker) -> dict:
+    """The server's record of one applied update: its times, the bytes it received and sent,
+    which worker it came from and how stale its gradient was."""
+    entry = server.log[-1]
+    base = {
+        "strategy": "async_ps",
+        "world_size": cfg.world_size,
+        "rank": 0,
+        "device": str(ctx.device),
+        "global_batch": cfg.global_batch,
+        "accumulate": 1,
+        "threads": torch.get_num_threads(),
+    }
+    return record(
+        base,
+        step,
+        entry["loss"],
+        entry["samples"],
+        {**times, "step_s": end - start},
+        start_s=start,
+        cpu_share=float("nan"),
+        device=ctx.device,
+        comm_bytes=sent["comm_bytes"],
+        comm_calls=sent["comm_calls"],
+        comm_payload_bytes=sent["comm_payload_bytes"],
+        role="server",
+        worker=worker,
+        staleness=entry["staleness"],
+        lr_scale=entry["lr_scale"],
+        grad_version=entry["grad_version"],
+    )
 
 
 def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Module) -> dict:
