@@ -66,6 +66,8 @@ class RunConfig:
                           "all of them; dp_tp: world_size / tp replicas of tp ranks)")  # fmt: skip
     sequence_parallel: bool = knob(False, "tp: activations outside Megatron's regions split "
                                    "on the sequence (reduce-scatter + all-gather)")  # fmt: skip
+    shard_size: int | None = knob(None, "hsdp: ranks sharing one copy of the model (default: "
+                                  "half of them); world_size / shard_size copies")  # fmt: skip
 
     # ---- communication (notebook 03); accumulation is a knob of the shared loop
     bucket_cap_mb: float | None = knob(None, "DDP bucket size in MB (default: DDP's 25 MB, "
@@ -163,6 +165,7 @@ class RunConfig:
         self._check_balancing()
         self._check_checkpoint_dir()
         self._check_tensor_parallel()
+        self._check_hybrid_shard()
         self._check_strategy()
         if self.dataset_size < self.global_batch:
             raise ValueError(
@@ -361,6 +364,27 @@ class RunConfig:
                 f"model='transformer' with seq_len a multiple of {t} (got model={self.model!r}, "
                 f"seq_len={self.seq_len})"
             )
+
+    def _check_hybrid_shard(self) -> None:
+        if self.shard_size is None:
+            return
+        if "shard_size" not in registry.get(self.strategy).knobs:
+            self._refuse("shard_size", "shard_size sets HSDP's shard groups", "drop it")
+        if self.shard_size < 1 or self.world_size % self.shard_size:
+            raise ValueError(
+                f"shard_size={self.shard_size} does not divide world size {self.world_size}: "
+                f"hsdp runs world_size / shard_size copies of a model sharded over shard_size "
+                f"ranks, set shard_size to a divisor of {self.world_size}"
+            )
+
+    @property
+    def shard_group(self) -> int:
+        """hsdp: the ranks one copy of the model is sharded over (``shard_size``, by default
+        half the ranks when they pair up: two copies; else all of them, which is FSDP)."""
+        if self.shard_size is not None:
+            return self.shard_size
+        n = self.world_size
+        return n // 2 if n >= 4 and n % 2 == 0 else n
 
     @property
     def tensor_parallel(self) -> int:

@@ -212,8 +212,8 @@ def _nudged(model_fn):
 
 def reference_config(cfg: RunConfig) -> RunConfig:
     """Plain single-device training on the whole global batch: no accumulation (a strategy's
-    accumulate=k must reach the same parameters), no compression, no tensor split and no load
-    balancing (any shares of the global batch must reach the same parameters)."""
+    accumulate=k must reach the same parameters), no compression, no tensor split or sharding
+    and no load balancing (any shares of the global batch must reach the same parameters)."""
     return cfg.replace(
         strategy="single",
         world_size=1,
@@ -221,6 +221,7 @@ def reference_config(cfg: RunConfig) -> RunConfig:
         comm_hook="none",
         tp=None,
         sequence_parallel=False,
+        shard_size=None,
         sync_every_microstep=False,
         slowdown=(),
         skew=0.0,
@@ -230,9 +231,12 @@ def reference_config(cfg: RunConfig) -> RunConfig:
 
 def config_for(cfg: RunConfig, name: str, world_size: int) -> RunConfig:
     """``cfg`` for strategy ``name`` in one check of several: the tensor-parallel degree is a
-    knob of the strategies that split layers, so one that does not drops it (``check
-    --strategies dp_tp,dp_pp --tp 2 --stages 2``)."""
-    layout = {} if "tp" in registry.get(name).knobs else dict(tp=None, sequence_parallel=False)
+    knob of the strategies that split layers (and HSDP's shard size HSDP's), so one that does
+    not drops it (``check --strategies dp_tp,dp_pp --tp 2 --stages 2``)."""
+    knobs = registry.get(name).knobs
+    layout = {} if "tp" in knobs else dict(tp=None, sequence_parallel=False)
+    if "shard_size" not in knobs:
+        layout["shard_size"] = None
     return cfg.replace(
         strategy=name, world_size=world_size_for(name, world_size, cfg.stages), **layout
     )

@@ -63,6 +63,7 @@ def predict(
         optimizer=optimizer,
         checkpoint=cfg.activation_checkpointing,
         accumulate=cfg.accumulate,
+        shard_size=cfg.shard_group if cfg.strategy == "hsdp" else None,
     )
 
 

@@ -143,3 +143,12 @@ def test_batch_per_rank():
 def test_to_dict_round_trips():
     cfg = RunConfig(strategy="ddp_naive", world_size=4, lr=0.1, threads=1, backend="gloo")
     assert RunConfig(**cfg.to_dict()) == cfg
+
+
+def test_shard_size_is_hsdps_and_must_divide_the_world():
+    assert RunConfig(strategy="hsdp", world_size=4).shard_group == 2  # two copies by default
+    assert RunConfig(strategy="hsdp", world_size=2).shard_group == 2  # one copy: FSDP
+    with pytest.raises(ValueError, match="does not divide world size 4"):
+        RunConfig(strategy="hsdp", world_size=4, shard_size=3)
+    with pytest.raises(ValueError, match="shard_size"):
+        RunConfig(strategy="fsdp", world_size=4, shard_size=2)

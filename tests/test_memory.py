@@ -16,7 +16,8 @@ from labkit import RunConfig, env, equivalence, experiment, memory
 from labkit.cli import build_parser
 from labkit.env import fp16_supported
 from labkit.flags import config_from_args
-from labkit.models import checkpoint_blocks, cnn
+from labkit.memory import calculator_error
+from labkit.models import checkpoint_blocks, cnn, make_model
 from labkit.predict.memory import activation_bytes, shard_numels, transformer
 from labkit.rank import precision
 from labkit.rank.memory_meter import MemoryMeter
@@ -245,3 +246,17 @@ def test_checkpointing_lowers_counted_activations_on_ranks(no_leftover_ranks):
     assert ckpt["mem_activations_bytes"].max() < plain["mem_activations_bytes"].min()
     err = memory.calculator_error(ckpt, cfg.replace(activation_checkpointing=True))
     assert (err["counted"] == err["calculated"]).all(), err  # exact, checkpointed too
+
+
+def test_hsdp_matches_single_and_holds_one_shard_of_one_copy(no_leftover_ranks):
+    """Four ranks, two copies each sharded over two ranks: the update is single's, and each
+    rank holds half of every state, as the meter counts it and the calculator says."""
+    cfg = BASE.replace(strategy="hsdp", world_size=4, shard_size=2)
+    table = equivalence.check(cfg, ["hsdp"], world_size=4, steps=3)
+    assert table["ok"].all() and (table["max_abs_diff"] <= 1e-5).all(), table
+    records = experiment.run(cfg.replace(steps=1)).records
+    psi = sum(p.numel() * 4 for p in make_model(cfg).parameters())
+    assert (records.groupby("rank")["mem_params_bytes"].max() == psi / 2).all()
+    err = calculator_error(records, cfg)
+    states = err[err["category"].isin(["params", "grads", "optimizer"])]
+    assert (states["error"].abs() < 1e-9).all(), states

@@ -122,3 +122,12 @@ def _bytes(n: int):
             return 1
 
     return [Tensor()] if n else []
+
+
+@pytest.mark.parametrize("shard_size, factor", [(2, 2.0), (1, 1.5)])
+def test_hsdp_sends_fsdp_inside_its_groups_and_ddp_across_them(shard_size, factor):
+    # 4 ranks, groups of s: FSDP's 3(s-1)/s of the model inside a group, then the all-reduce of
+    # its 1/s shard across the r = 4/s copies, 2(r-1)/r: s=2 gives 3/2 + 1/2 = 2, s=1 (no
+    # sharding, four copies) DDP's 2 x 3/4 = 1.5. The widths split evenly: no padding.
+    got = step(SMALL, strategy="hsdp", world_size=4, shard_size=shard_size)
+    assert (got["comm_bytes"] == factor * PSI).all()

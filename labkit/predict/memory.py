@@ -30,7 +30,7 @@ from torch import nn
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "rest")
 OPTIMIZERS = {"sgd": 0, "sgd_momentum": 4, "adam": 8}  # fp32 state bytes per parameter
-STRATEGIES = ("single", "ddp", "zero1", "fsdp")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "hsdp")
 _ACT_OUT = (nn.ReLU, nn.Tanh, nn.Sigmoid)  # save their output
 _ACT_IN = (nn.GELU, nn.SiLU, nn.LeakyReLU)  # save their input
 _MATMUL = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -138,12 +138,16 @@ def _dtype_only(size: dict, low: int, half: bool):
     return hook
 
 
-def shard_numels(shapes: list[tuple], strategy: str, world_size: int) -> list[int]:
+def shard_numels(
+    shapes: list[tuple], strategy: str, world_size: int, shard_size: int | None = None
+) -> list[int]:
     """Parameters (elements) each rank holds of each category's sharded state: FSDP's padded
-    dim-0 shards, ZeRO-1's whole-tensor partition (for the optimizer), or everything."""
+    dim-0 shards (HSDP's over its ``shard_size`` ranks), ZeRO-1's whole-tensor partition (for
+    the optimizer), or everything."""
     numels = [math.prod(s) for s in shapes]
-    if strategy == "fsdp":
-        per = sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
+    if strategy in ("fsdp", "hsdp"):
+        n = shard_size if strategy == "hsdp" and shard_size else world_size
+        per = sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in shapes)
         return [per] * world_size
     if strategy == "zero1":
         return [sum(part) for part in zero1_partition(numels, world_size)]
@@ -172,9 +176,11 @@ def calculate(
     checkpoint: bool = False,
     accumulate: int = 1,
     recipe: str = "autocast",
+    shard_size: int | None = None,
 ):
     """Bytes per rank by category (one row per rank, a pandas DataFrame) for ``model`` trained
-    on ``global_batch`` samples of ``input_shape`` (one sample's shape) per step."""
+    on ``global_batch`` samples of ``input_shape`` (one sample's shape) per step (``hsdp``:
+    sharded over ``shard_size`` ranks, default all of them)."""
     import pandas as pd
 
     _check(strategy, world_size, precision, optimizer, recipe, global_batch, accumulate)
@@ -186,9 +192,9 @@ def calculate(
     )
     p_b, g_b, k_b = _bytes_per_param(precision, optimizer, recipe)
     full = shard_numels(shapes, "single", world_size)
-    sharded = shard_numels(shapes, strategy, world_size)
-    opt_n = sharded if strategy in ("zero1", "fsdp") else full
-    state_n = sharded if strategy == "fsdp" else full
+    sharded = shard_numels(shapes, strategy, world_size, shard_size)
+    opt_n = sharded if strategy in ("zero1", "fsdp", "hsdp") else full
+    state_n = sharded if strategy in ("fsdp", "hsdp") else full
     steps = _adam_steps(shapes, strategy, world_size) if optimizer == "adam" else [0] * world_size
     batch = micro * (math.prod(input_shape) * 4 + 8)  # float inputs, int64 targets
     copies = acts["weight_copies"] if recipe == "autocast" else 0
