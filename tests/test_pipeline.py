@@ -347,3 +347,23 @@ def test_data_times_pipeline_equals_single_and_runs_one_pipeline_per_replica():
     for (replica, stage), g in df.groupby(["replica", "stage"]):
         # at 2 replicas the ring all-reduce sends the stage's weights once; plus the messages
         assert (g["comm_bytes"] == params[stage] + act).all(), (replica, stage, g["comm_bytes"])
+
+
+def test_pipeline_records_memory_by_category_per_stage():
+    """Each stage counts its own parameters (the split, weighed apart from the meter), their
+    gradients and SGD's momentum (one of each per parameter), and the activations its schedule
+    held at once: GPipe all M micro-batches', 1F1B at most P - stage (M=4, P=2: stage 0 holds
+    2, stage 1 holds 1)."""
+    cfg = RunConfig(strategy="pipeline_gpipe", world_size=2, stages=2, microbatches=4, steps=1)
+    model = make_model(cfg)
+    own = [
+        sum(p.numel() * 4 for p in s.parameters())
+        for s in models.split(model, even_bounds(len(model), 2))
+    ]
+    held = {}
+    for strategy in ("pipeline_gpipe", "pipeline_1f1b"):
+        r = run(cfg.replace(strategy=strategy)).records.set_index("stage")
+        for col in ("mem_params_bytes", "mem_grads_bytes", "mem_optimizer_bytes"):
+            assert r[col].tolist() == own, (strategy, col)
+        held[strategy] = r["mem_activations_bytes"]
+    assert (held["pipeline_gpipe"] / held["pipeline_1f1b"]).tolist() == [4 / 2, 4 / 1]

@@ -29,6 +29,7 @@ from ..factories import Factories
 from ..models import even_bounds, partition, split, stage_state_names
 from ..wire import traffic, watch_all
 from .loop import Progress, buffers_kept, build_model, final_state, seed_rank_streams
+from .memory_meter import optimizer_tensors, storage_bytes
 from .probes import RunQueueClock, cpu_seconds, record, sync
 from .profiling import layer_costs
 
@@ -243,7 +244,12 @@ def train_stages(
             with log.comm():
                 sync_grads()
         t_sched = time.perf_counter()
+        counting = i == max(cfg.warmup - 1, 0)  # one step, as the shared loop's meter does
+        if counting:
+            held = stage_memory(stage.module, optimizer, meter.peak_bytes, (x, y), grads=True)
         optimizer.step()
+        if counting:
+            held.update(stage_memory(stage.module, optimizer, meter.peak_bytes, (x, y)))
         optimizer.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         if i < cfg.warmup:
@@ -298,6 +304,7 @@ def train_stages(
                 impl=impl,
                 activations_peak=meter.peak_count,
                 activation_bytes_peak=meter.peak_bytes,
+                **held,
                 events=events,
                 comm_spans=[list(span) for span in sent["spans"]],
             )
@@ -308,6 +315,22 @@ def train_stages(
         "records": records,
         "notes": notes,
         "params": _whole_names(stage, final_state(cfg, stage.module)),
+    }
+
+
+def stage_memory(module, optimizer, activations: int, batch, grads: bool = False) -> dict:
+    """This stage's bytes in the memory meter's five categories (``rank.memory_meter``): its
+    own parameters, their gradients (``grads=True``: counted before the optimizer step), the
+    optimizer's state, the activations its schedule held at its peak (GPipe all M micro-
+    batches', 1F1B at most P), and the rest: this stage's part of the batch and buffers."""
+    if grads:
+        return {"mem_grads_bytes": storage_bytes(p.grad for p in module.parameters())}
+    return {
+        "mem_params_bytes": storage_bytes(module.parameters()),
+        "mem_optimizer_bytes": storage_bytes(optimizer_tensors(optimizer)),
+        "mem_activations_bytes": activations,
+        "mem_rest_bytes": storage_bytes(t for t in batch if t is not None)
+        + storage_bytes(module.buffers()),
     }
 
 
