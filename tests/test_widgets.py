@@ -255,3 +255,44 @@ def test_stopping_an_elastic_run_answers_within_a_second_and_leaves_no_process()
     assert time.time() - t0 < 1.5, time.time() - t0
     assert "stopped</b> by the Stop button" in panel.status.value
     assert not [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_elastic_panel_buttons_add_kill_and_remove_a_node():
+    """What a person clicks: Add a node (world size 1 -> 2), Kill a worker (torchrun restarts
+    the group from its checkpoint: a new attempt, the same world size), Remove a node (2 -> 1);
+    each change is read from the workers' own step records, not from the panel's buttons."""
+    from labkit.widgets import elastic_panel
+
+    panel = elastic_panel(SMALL.replace(strategy="ddp", steps=100_000, pace_s=0.02, timeout_s=60))
+    panel.every.value = 5
+
+    def now():
+        steps = panel.job.steps() if panel.job is not None else ()
+        return steps.iloc[-1] if len(steps) else None
+
+    def until(ok, timeout_s=120):
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            row = now()
+            if row is not None and ok(row):
+                return row
+            time.sleep(0.1)
+        raise AssertionError(f"not reached in {timeout_s} s: {now()}")
+
+    panel.start()
+    try:
+        first = until(lambda r: r["world_size"] == 1 and r["step"] >= 5)
+        panel.add_button.click()
+        joined = until(lambda r: r["world_size"] == 2)
+        assert joined["attempt"] > first["attempt"]  # a join re-forms the group
+        until(lambda r: r["world_size"] == 2 and r["step"] >= joined["step"] + 5)
+        panel.kill_button.click()
+        killed = until(lambda r: r["attempt"] > joined["attempt"] and r["world_size"] == 2)
+        until(lambda r: r["attempt"] == killed["attempt"] and r["step"] >= killed["step"] + 5)
+        panel.remove_button.click()
+        left = until(lambda r: r["world_size"] == 1)
+        assert left["attempt"] > killed["attempt"]
+        assert [e["event"] for e in panel.job.events] == ["join", "join", "kill", "leave"]
+    finally:
+        panel.stop("the Stop button")
+        panel.wait(30)
