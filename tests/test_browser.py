@@ -390,6 +390,19 @@ def test_communication_panels_in_a_browser(lab, browser):
         time.sleep(0.2)
     page.screenshot(path=str(OUT / "browser-03-whatif.png"), full_page=True)
     assert "predicted step time" in panel_output(page)
+
+    # Run was disabled and enabled again by the kernel (the fp16 run): the kernel's Interrupt
+    # still stops a long run (this panel has no "cannot run" state: the batch grows with the
+    # world size)
+    knobs.nth(1).select_option("none")
+    set_slider(page, "steps", "100")
+    wait_status(page, r"ready: ddp@2", 10)
+    seen, t0 = run_and_watch_bars(
+        page, ".widget-button:has-text('Run') >> nth=0", lambda: interrupt_kernel(page)
+    )
+    wait_status(page, r"by the kernel's Interrupt", 10)
+    assert time.time() - t0 < 5, f"Interrupt took {time.time() - t0:.1f} s"
+    time.sleep(1)
     assert not kernel_ranks(lab)
     page.close()
 
@@ -418,6 +431,16 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
     shown = panel_output(page)
     page.screenshot(path=str(OUT / "browser-04-static.png"), full_page=True)
     assert "static, slow 1:3" in shown and "dynamic, slow 1:3" in shown, shown[:800]
+
+    # Run was disabled and enabled by the kernel twice: the kernel's Interrupt still stops a run
+    set_slider(page, "steps", "60")
+    wait_status(page, r"ready: ddp_naive@2 static, slow 1:3", 10)
+    seen, t0 = run_and_watch_bars(
+        page, ".widget-button:has-text('Run')", lambda: interrupt_kernel(page)
+    )
+    wait_status(page, r"by the kernel's Interrupt", 10)
+    assert time.time() - t0 < 5, f"Interrupt took {time.time() - t0:.1f} s"
+    time.sleep(1)
     assert not kernel_ranks(lab)
     page.close()
 
@@ -478,6 +501,21 @@ def test_memory_panel_in_a_browser(lab, browser):
     page.screenshot(path=str(OUT / "browser-05-zero1.png"), full_page=True)
     assert "calculator within" in status, status
     assert "zero1@2" in shown and "fsdp@2" in shown and "Counted: zero1@2" in shown, shown[:800]
+
+    # a large model: the panel says before Run how long it takes at least; Stop ends it
+    set_slider(page, "width", "3072")
+    set_slider(page, "depth", "16")
+    set_slider(page, "global batch", "1024")
+    wait_status(page, r"ready: zero1@2, mlp 3072x16.*takes at least \d+ s", 20)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"running", 20)
+    time.sleep(2)
+    t0 = time.time()
+    page.click(".widget-button:has-text('Stop')")
+    status = wait_status(page, r"stopped.{0,8}by the Stop button", 10)
+    assert time.time() - t0 < 5, f"Stop took {time.time() - t0:.1f} s"
+    assert "below: an earlier run" in status, status
+    time.sleep(1)
     assert not kernel_ranks(lab)
     page.close()
 
