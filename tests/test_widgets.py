@@ -296,3 +296,25 @@ def test_elastic_panel_buttons_add_kill_and_remove_a_node():
     finally:
         panel.stop("the Stop button")
         panel.wait(30)
+
+
+def test_a_panel_clock_moves_every_second_while_a_run_reports_nothing():
+    """Work that reports rarely (a large model's step on a CPU) still shows the panel alive:
+    the clock beside the buttons counts the seconds since Run, then says how long it took."""
+    panel = run_panel(SMALL.replace(steps=6, pace_s=0.5), strategies=["ddp"], selected=("ddp",))
+    panel.world.value = 2
+    seen, t0 = [], time.time()
+
+    def quiet(*_):  # no progress bar moves: only the clock can
+        pass
+
+    panel._progress = quiet
+    panel.start()
+    while panel._thread.is_alive() and time.time() - t0 < 60:
+        seen.append((time.time() - t0, panel.clock.value))
+        time.sleep(0.1)
+    panel.wait(30)
+    changes = [t for (t, v), (_, before) in zip(seen[1:], seen) if v != before]
+    assert seen[-1][0] > 3 and len(changes) >= 3, seen  # 6 steps of at least 0.5 s each
+    assert max(b - a for a, b in zip([0.0, *changes], changes)) < 1.5, changes
+    assert panel.error is None and panel.clock.value.startswith("<small>took "), panel.clock.value

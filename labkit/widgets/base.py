@@ -117,6 +117,7 @@ class BackgroundRun:
         self.run_button = W.Button(description="Run", button_style="primary", icon="play")
         self.stop_button = W.Button(description="Stop", icon="stop", disabled=True)
         self.status, self.bars, self.out = W.HTML(), W.VBox(), W.Output()
+        self.clock = W.HTML()  # seconds since Run, each second: work that reports rarely moves
         self.running: str | None = None  # the plan of the run in progress or last started
         self.shown: str | None = None  # the plan of the run whose results the output shows
         self.shown_now = False  # whether the output is the current run's
@@ -136,7 +137,7 @@ class BackgroundRun:
         _listen_for_interrupt()
 
     def layout(self) -> W.Widget:
-        buttons = W.VBox([self.run_button, self.stop_button, self.trace_button])
+        buttons = W.VBox([self.run_button, self.stop_button, self.trace_button, self.clock])
         return W.VBox([W.HBox([self.controls, buttons]), self.status, self.bars, self.out])
 
     def _ipython_display_(self):  # a panel as a cell's last line shows the widget
@@ -188,6 +189,7 @@ class BackgroundRun:
         self.status.value = f"running {description}"
         self.run_button.disabled, self.stop_button.disabled = True, False
         _RUNNING.add(self)
+        stop_clock = self._tick()
         try:
             results = self.execute(self._cancel)
             self.show(*self.render(results))
@@ -207,9 +209,34 @@ class BackgroundRun:
             self._fail(exc)
             self.status.value += self._older()
         finally:
+            stop_clock()
             _RUNNING.discard(self)
             self.run_button.disabled, self.stop_button.disabled = False, True
         return None
+
+    def _tick(self):
+        """Show the seconds since Run once a second until the returned ``stop()`` is called,
+        which says how long the run took: a step may take minutes (a large model on a CPU), the
+        clock moves anyway."""
+        done, lock, t0 = threading.Event(), threading.Lock(), time.perf_counter()
+
+        def show(word: str, fmt: str) -> None:
+            self.clock.value = f"<small>{word} {time.perf_counter() - t0:{fmt}} s</small>"
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                with lock:
+                    if not done.is_set():
+                        show("running", ".0f")
+
+        def stop() -> None:
+            with lock:
+                done.set()
+                show("took", ".1f")
+
+        show("running", ".0f")
+        threading.Thread(target=tick, daemon=True).start()
+        return stop
 
     def check_controls(self, note: str = "") -> None:
         """Say what Run will do, or why it cannot, before anything runs (on every change)."""
