@@ -231,8 +231,8 @@ def reference_config(cfg: RunConfig) -> RunConfig:
 
 def config_for(cfg: RunConfig, name: str, world_size: int) -> RunConfig:
     """``cfg`` for strategy ``name`` in one check of several: the tensor-parallel degree is a
-    knob of the strategies that split layers (and HSDP's shard size HSDP's), so one that does
-    not drops it (``check --strategies dp_tp,dp_pp --tp 2 --stages 2``)."""
+    knob of the strategies that split layers (the shard size, of hsdp alone), so one that does
+    not take it drops it (``check --strategies dp_tp,dp_pp --tp 2 --stages 2``)."""
     knobs = registry.get(name).knobs
     layout = {} if "tp" in knobs else dict(tp=None, sequence_parallel=False)
     if "shard_size" not in knobs:
