@@ -165,9 +165,13 @@ def test_sched_speed_quick(tmp_path):
     for policy in POLICIES:  # seconds, events, mean JCT (h), utilisation
         row = rf"^{policy}\s+{NUMBER}\s+\d+\s+{NUMBER}\s+{NUMBER}$"
         assert any(re.match(row, x) for x in lines), (policy, lines)
-    assert re.fullmatch(rf"slowest policy / goal ratio: {NUMBER}", lines[-1]), lines[-1]
+    assert sum("offered load" in x for x in lines) == 2  # 80 % and 120 %: jobs queue
+    assert re.fullmatch(
+        rf"slowest policy / goal ratio: {NUMBER} \(\w+ at \d+% load, .*\)", lines[-1]
+    )
     out = json.loads((tmp_path / "sched.json").read_text())
-    assert out["jobs"] == 1000 and set(out["times_s"]) == set(POLICIES)
+    assert out["jobs"] == 1000
+    assert set(out["times_s"]) == {f"{load}/{p}" for load in (0.8, 1.2) for p in POLICIES}
     assert all(t and all(s > 0 for s in t) for t in out["times_s"].values())
 
 

@@ -380,10 +380,10 @@ def _decide(
         target = (
             elastic_targets(states, pol, now, CORES, CORES)
             if pol.elastic
-            else greedy_targets(states, pol, now, CORES)
+            else greedy_targets(sorted(states, key=lambda s: pol.key(s, now)), CORES)
         )
     elif pol.preemptive:
-        target = greedy_targets(states, pol, now, CORES)
+        target = greedy_targets(sorted(states, key=lambda s: pol.key(s, now)), CORES)
     else:  # keep what runs; newcomers in key order
         target = {s.job.job_id: s.alloc for s in states if s.alloc}
         left = free

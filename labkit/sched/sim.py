@@ -112,6 +112,8 @@ class _State:
         return self.run_s + (now - self.last_t if self.alloc else 0.0)
 
     def settle(self, now: float) -> None:
+        if now == self.last_t:  # settled at this instant already: nothing has moved since
+            return
         self.done = min(self.job.work, self.done_at(now))
         self.gpu_s, self.run_s = self.gpu_s_at(now), self.run_s_at(now)
         self.last_t = now
@@ -251,6 +253,8 @@ class Simulator:
     # ---- queues ------------------------------------------------------------------------------
 
     def enqueue(self, s: _State, now: float) -> None:
+        if self.policy.round_s:  # round policies rank every job at each round instead
+            return
         heapq.heappush(
             self.waiting.setdefault(s.job.gpus, []), (self.policy.key(s, now), s.job.job_id)
         )
@@ -295,10 +299,9 @@ class Simulator:
                     states, p, now, self.cluster.gpus, self.cluster.gpus_per_node
                 )
             else:
-                target = greedy_targets(states, p, now, self.cluster.gpus)
-                self.fill_order = sorted(
-                    (s for s in states if s.job.job_id not in target), key=lambda s: p.key(s, now)
-                )
+                ranked = p.rank(states, now)
+                target = greedy_targets(ranked, self.cluster.gpus)
+                self.fill_order = [s for s in ranked if s.job.job_id not in target]
             self.apply(target, now)
             return
         if self.free == 0:  # between rounds nothing can start
@@ -446,6 +449,8 @@ class Simulator:
         self.push_running(s, now)
 
     def push_running(self, s: _State, now: float) -> None:
+        if not self.policy.preemptive:  # only preempt_for reads the running heap
+            return
         heapq.heappush(
             self.running, (_Rev(self.policy.running_key(s, now)), s.job.job_id, s.version)
         )
