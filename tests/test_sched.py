@@ -426,3 +426,21 @@ def test_round_policies_rank_in_numpy_exactly_as_their_keys_sort(name):
     # up to 175 jobs at once here: numpy's path (from 64) is the one taken
     a, b = ([j.finish_s for j in sim.simulate(jobs, cluster, p).jobs] for p in (fast, plain))
     assert a == b and len(a) == 800
+
+
+def test_generated_jobs_pay_the_measured_start_and_the_metrics_show_it():
+    """Generated traces charge this machine's measured start and restart (not zero); the
+    share of GPU time spent starting is read from the simulation, against a hand count: one
+    GPU, job A (0 s, 100 s of work, restarts cost 5 s) evicted at 10 s by B (priority 1, 20 s):
+    A holds the GPU 10 + 5 + 90 s, B 20 s; 5 of the 125 GPU-seconds are a restart."""
+    jobs = traces.generate(3, seed=0)
+    assert {(j.startup_s, j.restart_s) for j in jobs} == {(traces.STARTUP_S, traces.RESTART_S)}
+    assert traces.STARTUP_S > 0 and traces.RESTART_S > 0
+    unit = Curve("unit", ((1, 1.0),))
+    a = Job(0, 0.0, 1, 100.0, unit, priority=0, restart_s=5.0)
+    b = Job(1, 10.0, 1, 20.0, unit, priority=1)
+    res = sim.simulate([a, b], sim.Cluster.parse("1x1"), "priority")
+    finish = {j.job_id: j.finish_s for j in res.jobs}
+    assert finish == {0: 125.0, 1: 30.0}
+    m = res.metrics()
+    assert m["gpu_hours"] * 3600 == 125.0 and m["start_share"] == 5.0 / 125.0

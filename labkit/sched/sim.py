@@ -140,9 +140,10 @@ class SimResult:
     busy_gpu_s: float = 0.0
     total_gpus: int = 0
     events: int = 0
+    start_gpu_s: float = 0.0  # of busy_gpu_s, held while starting or restarting
 
     def metrics(self) -> dict:
-        return metrics(self.jobs, self.total_gpus, self.policy, self.busy_gpu_s)
+        return metrics(self.jobs, self.total_gpus, self.policy, self.busy_gpu_s, self.start_gpu_s)
 
 
 class Simulator:
@@ -178,6 +179,7 @@ class Simulator:
         self.running: list = []  # heap of (_Rev(key), id, version)
         self.gantt: list[dict] = []
         self.busy_gpu_s = 0.0
+        self.start_gpu_s = 0.0  # GPU-seconds held while starting or restarting (no step runs)
         self.round_pending = False
         self.fill_order: list = []  # round policies: who fills free GPUs next
         self.changed = True  # arrivals or finishes since the last round
@@ -239,6 +241,7 @@ class Simulator:
             self.busy_gpu_s,
             self.cluster.gpus,
             self.n_events,
+            self.start_gpu_s,
         )
 
     def report(self) -> None:
@@ -475,6 +478,7 @@ class Simulator:
 
     def _segment(self, s: _State, now: float) -> None:
         self.busy_gpu_s += s.alloc * (now - s.seg_start)
+        self.start_gpu_s += s.alloc * (min(s.ready_t, now) - s.seg_start)
         if self.record and now > s.seg_start:
             self.gantt.append(
                 {
@@ -528,12 +532,17 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def metrics(
-    jobs: Sequence[Job], total_gpus: int, policy: str = "", busy_gpu_s: float | None = None
+    jobs: Sequence[Job],
+    total_gpus: int,
+    policy: str = "",
+    busy_gpu_s: float | None = None,
+    start_gpu_s: float | None = None,
 ) -> dict:
     """One run's numbers. jct = finish - arrival; queue = first start - arrival; makespan = last
     finish - first arrival; utilisation = GPU-seconds held (restarts included) / (GPUs x
     makespan); rho (finish-time fairness) = jct / time alone at the requested size, mean and
-    worst; restarts per job counts preemptions and resizes."""
+    worst; restarts per job counts preemptions and resizes; start share: of the GPU-seconds
+    held, those spent starting and restarting (``startup_s``, ``restart_s``), no step running."""
     done = [j for j in jobs if j.finish_s is not None]
     if not done:
         raise ValueError("no job finished")
@@ -556,6 +565,7 @@ def metrics(
         "max_rho": max(rho),
         "gpu_hours": gpu_s / 3600,
         "restarts_per_job": sum(j.restarts for j in done) / len(done),
+        "start_share": start_gpu_s / gpu_s if start_gpu_s is not None and gpu_s else math.nan,
         "mean_jct_high_s": sum(high) / len(high) if high else math.nan,
         "mean_jct_low_s": sum(low) / len(low) if low else math.nan,
     }

@@ -31,6 +31,15 @@ COLUMNS = ("job_id", "arrival_s", "gpus", "priority", "duration_s", "curve")
 SHORT_BAND, LONG_BAND, LONG_SHARE = (1.5, 3.0), (3.0, 4.0), 0.2
 
 
+# What a start costs a generated job, measured on this lab's machine by benchmarks/elastic.py
+# (torchrun on loopback, labkit's toy MLP, 2 ranks): the cold start, first agent up to first
+# step, 6.0 s; a restart after a killed worker, kill to the re-formed group's first step, 6.3 s.
+# A floor for real jobs, which also load gigabytes of checkpoint and a framework: pass your own
+# (``restart_s=0`` for the textbook queueing results, where a preemption is free).
+STARTUP_S = 6.0
+RESTART_S = 6.3
+
+
 def generate(
     n: int,
     *,
@@ -41,9 +50,13 @@ def generate(
     curves: Sequence[str] = ("good",),
     duration_scale: float = 1.0,
     curve_table: Mapping[str, Curve] | None = None,
+    startup_s: float = STARTUP_S,
+    restart_s: float = RESTART_S,
 ) -> list[Job]:
     """``n`` jobs, the same for the same arguments. ``high_priority``: share of jobs with
-    priority 1 (the rest 0); ``curves``: curve names drawn uniformly per job."""
+    priority 1 (the rest 0); ``curves``: curve names drawn uniformly per job; ``startup_s`` and
+    ``restart_s``: what every job pays, holding its GPUs, before its first step and after each
+    preemption or resize (default: this machine's measured torchrun start and re-form)."""
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     if not rate_per_hour > 0:
@@ -52,6 +65,8 @@ def generate(
         raise ValueError(f"high_priority is a share of jobs in [0, 1], got {high_priority}")
     if not duration_scale > 0:
         raise ValueError(f"duration_scale must be positive, got {duration_scale}")
+    if startup_s < 0 or restart_s < 0:
+        raise ValueError(f"startup_s and restart_s are seconds >= 0, got {startup_s}, {restart_s}")
     mix = dict(mix or PHILLY_MIX)
     if any(g < 1 for g in mix) or not math.isclose(sum(mix.values()), 1.0, abs_tol=1e-6):
         raise ValueError(f"mix must map GPU counts >= 1 to shares summing to 1, got {mix}")
@@ -66,7 +81,9 @@ def generate(
         duration = 60.0 * 10 ** rng.uniform(*band) * duration_scale
         priority = 1 if rng.random() < high_priority else 0
         curve = table[rng.choice(list(curves))]
-        jobs.append(Job(i, round(t, 3), gpus, duration * curve(gpus), curve, priority))
+        jobs.append(
+            Job(i, round(t, 3), gpus, duration * curve(gpus), curve, priority, startup_s, restart_s)
+        )
     return jobs
 
 
@@ -93,9 +110,15 @@ def to_csv(jobs: Sequence[Job], path: str | None = None) -> str:
     return text
 
 
-def parse_csv(text: str, curves: Mapping[str, Curve] | None = None) -> list[Job]:
+def parse_csv(
+    text: str,
+    curves: Mapping[str, Curve] | None = None,
+    *,
+    startup_s: float = STARTUP_S,
+    restart_s: float = RESTART_S,
+) -> list[Job]:
     """Jobs from CSV text; a bad value raises ValueError naming its row (the file's line number)
-    and column, and what to write instead."""
+    and column, and what to write instead. Starts and restarts cost what ``generate``'s do."""
     lines = [
         (i + 1, line)
         for i, line in enumerate(text.splitlines())
@@ -146,7 +169,11 @@ def parse_csv(text: str, curves: Mapping[str, Curve] | None = None) -> list[Job]
             curve = resolve_curve(row["curve"], curves)
         except ValueError as exc:
             raise bad("curve", "is not a known curve: " + str(exc).split(": ", 1)[1]) from None
-        jobs.append(Job(job_id, arrival, gpus, duration * curve(gpus), curve, priority))
+        jobs.append(
+            Job(
+                job_id, arrival, gpus, duration * curve(gpus), curve, priority, startup_s, restart_s
+            )
+        )
     if not jobs:
         raise ValueError(f"the trace has a header but no jobs (after line {header_no})")
     return sorted(jobs, key=lambda j: (j.arrival_s, j.job_id))
