@@ -1,12 +1,13 @@
 """What an elastic job pays for each change: a node joining, a worker killed, a node leaving.
 
-    python benchmarks/elastic.py [--pace 0.02] [--checkpoint-every 10] [--json PATH]
+    python benchmarks/elastic.py [--pace 0.02] [--checkpoint-every 10] [--quick] [--json PATH]
 
 One torchrun job (``labkit.elastic.ElasticJob``, ddp, ``--nnodes 1:2``, ``--max-restarts 3``,
 agents on loopback) trains a small MLP: one node starts; after 20 steps a second joins; after 20
 steps at world size 2 one worker is SIGKILLed; 20 steps after the restart the second node leaves;
-20 steps later the first is stopped (SIGTERM). Each step lasts at least ``--pace`` seconds (a
-real model's pace; the toy MLP alone takes milliseconds).
+20 steps later the first is stopped (SIGTERM). ``--quick``: 6 steps per phase, a checkpoint
+every 3 (a smoke run; the re-forms still take their full time). Each step lasts at least
+``--pace`` seconds (a real model's pace; the toy MLP alone takes milliseconds).
 Printed: the cold start (first agent started -> first step), per change the steps lost, the time
 from the change to the first step of the re-formed group (``reform_s``) and the time without any
 step (``pause_s``); then the loss at the steps around each change beside an uninterrupted
@@ -33,7 +34,11 @@ def main(argv=None) -> int:
     p.add_argument("--pace", type=float, default=0.02, help="seconds a step lasts at least")
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--json")
+    p.add_argument("--quick", action="store_true", help="6 steps per phase (a smoke run)")
     args = p.parse_args(argv)
+    phase = 6 if args.quick else 20  # steps between two changes
+    if args.quick:
+        args.checkpoint_every = 3
     cfg = RunConfig(
         strategy="ddp",
         steps=100_000,
@@ -49,17 +54,20 @@ def main(argv=None) -> int:
         cfg, nnodes="1:2", max_restarts=3, checkpoint_every=args.checkpoint_every
     ) as job:
         job.add_agent()
-        job.wait_for(lambda s: len(s) > 0 and s["step"].max() >= 20, timeout_s=120)
+        job.wait_for(lambda s: len(s) > 0 and s["step"].max() >= phase, timeout_s=120)
         job.add_agent()
-        job.wait_for(lambda s: (s["world_size"] == 2).sum() >= 20, timeout_s=120)
+        job.wait_for(lambda s: (s["world_size"] == 2).sum() >= phase, timeout_s=120)
         job.kill_worker()
         job.wait_for(
-            lambda s: s["attempt"].max() >= 2 and (s["attempt"] == s["attempt"].max()).sum() >= 20,
+            lambda s: (
+                s["attempt"].max() >= 2 and (s["attempt"] == s["attempt"].max()).sum() >= phase
+            ),
             timeout_s=120,
         )
         job.remove_agent(1)
         job.wait_for(
-            lambda s: s["attempt"].max() >= 3 and (s["attempt"] == 3).sum() >= 20, timeout_s=120
+            lambda s: s["attempt"].max() >= 3 and (s["attempt"] == 3).sum() >= phase,
+            timeout_s=120,
         )
         job.remove_agent(0)  # the end: SIGTERM, a checkpoint, exit
         job.wait(timeout_s=180)

@@ -200,3 +200,22 @@ def test_torchrun_exit_quick():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.fullmatch(r"torchrun exit aborts: \d of 3 runs", proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_elastic_quick(tmp_path):
+    """A node joins, a worker is killed, a node leaves: each change re-forms the group (a later
+    first step), the kill loses at most the steps since its last checkpoint (every 3), and the
+    loss curve is the uninterrupted run's (the same global batch every step)."""
+    lines = run_bench("elastic.py", tmp_path / "elastic.json")
+    assert re.match(rf"cold start \(first agent started -> first step\): {NUMBER} s", lines[0])
+    out = json.loads((tmp_path / "elastic.json").read_text())
+    events = [c["event"] for c in out["changes"]]
+    assert events == ["join", "kill", "leave"], out["changes"]
+    sizes = {c["event"]: (c["world_before"], c["world_after"]) for c in out["changes"]}
+    assert sizes == {"join": (1, 2), "kill": (2, 2), "leave": (2, 1)}
+    for c in out["changes"]:
+        assert c["reform_s"] > 0 and c["first_step_after"] > 0, c
+    kill = out["changes"][1]
+    assert 0 <= kill["steps_lost"] <= 3, kill
+    assert out["max_loss_gap"] < 1e-5
