@@ -7,6 +7,7 @@ Whether a strategy computes what single-device training computes is ``labkit.equ
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -103,9 +104,13 @@ def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int])
 
 
 def _reference(base: RunConfig) -> RunConfig:
-    """Single-device training on ``base``'s model and batch: never slowed or balanced (those are
-    ddp_naive's knobs), the reference the other runs are read against."""
-    return base.replace(strategy="single", world_size=1, slowdown=(), skew=0.0, rebalance="static")
+    """Single-device training on ``base``'s model and batch, the reference the other runs are
+    read against: every knob single does not take (slowed or balanced ranks, a DDP hook, a
+    tensor or pipeline split, ...) back to its default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    others = set().union(*(s.knobs for s in registry.STRATEGIES.values()))
+    foreign = others - registry.get("single").knobs
+    return base.replace(strategy="single", world_size=1, **{k: defaults[k] for k in foreign})
 
 
 def compare(

@@ -64,17 +64,23 @@ def cmd_compare(args) -> int:
     writable("--html", args.html)
     writable("--trace", args.trace)
     sizes = csv(args.world_sizes, int, flag="--world-sizes")
+    strategies = csv(args.strategies, flag="--strategies")
     balancing = bool(args.slowdown) or args.skew > 0 or args.rebalance != "static"
-    # load-balancing knobs belong to ddp_naive; the base must be a config they are valid on
+    # the base must be a config the flags are valid on: load-balancing knobs belong to
+    # ddp_naive; any other knob (--comm-hook, --inner-lr, ...) to the first strategy named
+    # (a later one that does not take it is refused with the fix, by experiment.grid)
+    first = next((s for s in strategies if s != "single"), "single")
+    kind = registry.get(first).kind if first in registry.STRATEGIES else "reference"
+    world = {"reference": 1, "pipeline": args.stages}.get(kind, max(sizes))
     base = config_from_args(
         args,
         **(
             dict(strategy="ddp_naive", world_size=max(sizes))
             if balancing
-            else dict(strategy="single", world_size=1)
+            else dict(strategy=first, world_size=world)
         ),
     )
-    configs = experiment.grid(base, csv(args.strategies, flag="--strategies"), sizes)
+    configs = experiment.grid(base, strategies, sizes)
     print(
         f"running {len(configs)} configurations: " + ", ".join(config_label(c) for c in configs),
         flush=True,
