@@ -444,3 +444,24 @@ def test_generated_jobs_pay_the_measured_start_and_the_metrics_show_it():
     assert finish == {0: 125.0, 1: 30.0}
     m = res.metrics()
     assert m["gpu_hours"] * 3600 == 125.0 and m["start_share"] == 5.0 / 125.0
+
+
+def test_cli_replay_recalibrates_before_each_policy(tmp_path):
+    """``schedule --replay``: real runs on this machine's cores, measured again before every
+    policy after the first (the log says so), each policy's real and simulated mean JCT in the
+    JSON it writes."""
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit", "schedule", "--replay", "--generate", "3"]
+        + ["--cluster", "1x2", "--policy", "fifo,las", "--json", str(tmp_path / "r.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("calibrating again") == 1, out.stdout
+    import json
+
+    report = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["policy"]: r for r in report["table"]}
+    assert set(rows) == {"fifo", "las"}
+    assert all(r["real_mean_jct_s"] > 0 and r["sim_mean_jct_s"] > 0 for r in rows.values())
