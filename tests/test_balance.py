@@ -140,6 +140,8 @@ def test_dynamic_shares_move_and_the_update_still_equals_single(strategy):
     assert shares.iloc[0] == 0.5 and shares.iloc[-1] < 0.45  # the slow rank was given less
 
 
+@pytest.mark.flaky(reruns=2)  # one warm-up step's timing on a shared machine; a balancer that
+# does not rebalance after warm-up starts every attempt from even shares
 def test_dynamic_shares_start_from_the_last_warm_up_step():
     cfg = BASE.replace(slowdown="1:3", rebalance="dynamic", rebalance_every=4, warmup=2, steps=2)
     shares = experiment.run(cfg).records.query("rank == 1")["share"]

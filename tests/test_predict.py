@@ -140,6 +140,7 @@ def test_flops_per_sample_counts_what_the_formula_says():
     assert backward == 2 * forward - 2 * dims[0][0] * dims[0][1]
 
 
+@pytest.mark.flaky(reruns=2)  # a matmul rate and a run timed on a shared machine
 def test_compute_floor_is_below_a_measured_run():
     """The floor a panel announces before Run holds against a run on real ranks: FLOPs counted
     from the model's shapes, the rate from a matmul, the time from the run's own steps."""
