@@ -288,7 +288,7 @@ def kernel_ranks(lab) -> list[psutil.Process]:
 
 def test_data_parallel_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "01_data_parallel.ipynb")
+    page = open_and_run_all(browser, lab, "01_data_parallel.ipynb", upto="labkit.run_panel(")
     assert page.locator(".widget-output .js-plotly-plot").count() >= 2  # the panel's charts
     assert "ddp@2" in panel_output(page)
 
@@ -345,7 +345,7 @@ def test_data_parallel_panel_in_a_browser(lab, browser):
 
 def test_pipeline_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "02_model_parallel.ipynb")
+    page = open_and_run_all(browser, lab, "02_model_parallel.ipynb", upto="pipeline_panel(base)")
     assert "measured, one step (1f1b, P=2, M=4)" in panel_output(page)
 
     # as a person: GPipe with 8 micro-batches, Run, and the Gantt names the new run
@@ -593,7 +593,9 @@ def test_scheduling_panel_in_a_browser(lab, browser):
 
 def test_tensor_parallel_panels_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "09_tensor_parallel.ipynb")
+    page = open_and_run_all(
+        browser, lab, "09_tensor_parallel.ipynb", upto="advisor = advisor_panel("
+    )
     wait_status(page, r"done: run 1, tp: dp 1 x tp 2 x stages 1 = 2 rank", 10)
 
     # as a person: data-parallel degree 2 (4 ranks on this machine's cores, said before Run),
