@@ -135,13 +135,17 @@ class MaxMin(Policy):
     def rank(self, states, now):
         if len(states) < 64:  # a few jobs: numpy's set-up costs more than it saves
             return super().rank(states, now)
-        run = np.array([s.run_s for s in states])
-        running = np.array([s.alloc > 0 for s in states])
-        run += np.where(running, now - np.array([s.last_t for s in states]), 0.0)
-        arrival = np.array([s.job.arrival_s for s in states])
+        # one pass over the jobs (a waiting job's clock stops: last_t = now adds nothing)
+        flat: list = []
+        put = flat.extend
+        for s in states:
+            j = s.job
+            put((s.run_s, s.last_t if s.alloc else now, j.arrival_s, j.job_id))
+        run, last, arrival, ids = np.array(flat, dtype=float).reshape(-1, 4).T
+        run = run + (now - last)
         age = now - arrival
         share = np.divide(run, age, out=np.zeros_like(run), where=age > 0)
-        return _lexsorted(states, share, arrival)
+        return _lexsorted(states, share, arrival, ids)
 
 
 class FinishTimeFairness(Policy):
@@ -155,15 +159,17 @@ class FinishTimeFairness(Policy):
     def rank(self, states, now):
         if len(states) < 64:
             return super().rank(states, now)
-        rate = np.array([s.rate for s in states])
-        t0 = np.maximum([s.last_t for s in states], [s.ready_t for s in states])
-        done = np.array([s.done for s in states])
-        done += np.where((rate != 0) & (now > t0), rate * (now - t0), 0.0)
-        work = np.array([s.job.work for s in states])
-        remaining = np.maximum(0.0, work - done) / np.array([s.req_rate for s in states])
-        arrival = np.array([s.job.arrival_s for s in states])
-        rho = (now - arrival + remaining) / np.array([s.alone_s for s in states])
-        return _lexsorted(states, -rho, arrival)
+        flat: list = []
+        put = flat.extend
+        for s in states:
+            j, t0 = s.job, s.last_t if s.last_t > s.ready_t else s.ready_t
+            put((s.rate, t0, s.done, j.work, s.req_rate, j.arrival_s, s.alone_s, j.job_id))
+        cols = np.array(flat, dtype=float).reshape(-1, 8).T
+        rate, t0, done, work, req_rate, arrival, alone_s, ids = cols
+        done = done + np.where((rate != 0) & (now > t0), rate * (now - t0), 0.0)
+        remaining = np.maximum(0.0, work - done) / req_rate
+        rho = (now - arrival + remaining) / alone_s
+        return _lexsorted(states, -rho, arrival, ids)
 
 
 class Elastic(Policy):
@@ -177,11 +183,10 @@ class Elastic(Policy):
         return key[0] < victim[0]  # only a strictly higher priority; its own level is FIFO
 
 
-def _lexsorted(states, primary: np.ndarray, arrival: np.ndarray) -> list:
+def _lexsorted(states, primary: np.ndarray, arrival: np.ndarray, ids: np.ndarray) -> list:
     """``states`` in the order of the tuples (primary, arrival, job id): what ``sorted`` on
     ``key`` gives (every job id differs, so no two keys tie)."""
-    ids = np.array([s.job.job_id for s in states])
-    return [states[i] for i in np.lexsort((ids, arrival, primary))]
+    return [states[i] for i in np.lexsort((ids, arrival, primary)).tolist()]
 
 
 POLICIES = {

@@ -112,11 +112,21 @@ class _State:
         return self.run_s + (now - self.last_t if self.alloc else 0.0)
 
     def settle(self, now: float) -> None:
-        if now == self.last_t:  # settled at this instant already: nothing has moved since
+        last = self.last_t
+        if now == last:  # settled at this instant already: nothing has moved since
             return
-        self.done = min(self.job.work, self.done_at(now))
-        self.gpu_s, self.run_s = self.gpu_s_at(now), self.run_s_at(now)
+        if self.alloc:  # (``done_at``, ``gpu_s_at`` and ``run_s_at``, inline: the hot path)
+            t0 = last if last > self.ready_t else self.ready_t
+            if now > t0:
+                done, work = self.done + self.rate * (now - t0), self.job.work
+                self.done = done if done < work else work
+            self.gpu_s += self.alloc * (now - last)
+            self.run_s += now - last
         self.last_t = now
+
+
+def _job_id(s: _State) -> int:
+    return s.job.job_id
 
 
 class _Rev:
@@ -147,6 +157,8 @@ class SimResult:
 
 
 class Simulator:
+    defer_finishes = True  # round policies: see ``deferred`` (off: a FINISH event per start)
+
     def __init__(
         self,
         jobs: Sequence[Job],
@@ -168,6 +180,10 @@ class Simulator:
         self.jobs = [j.fresh() for j in sorted(jobs, key=lambda j: (j.arrival_s, j.job_id))]
         self.record = record_gantt
         self.free_nodes = [cluster.gpus_per_node] * cluster.nodes
+        self.consolidated = cluster.placement == "consolidated"
+        # best fit takes the lowest-numbered empty node: a heap of the nodes that emptied (an
+        # entry is stale once its node holds a job again; the set above says which are empty)
+        self.empty_heap = list(range(cluster.nodes))
         # nodes by their free GPUs, so best fit looks at G+1 buckets, not every node
         self.nodes_with = [set() for _ in range(cluster.gpus_per_node + 1)]
         self.nodes_with[cluster.gpus_per_node].update(range(cluster.nodes))
@@ -181,7 +197,14 @@ class Simulator:
         self.busy_gpu_s = 0.0
         self.start_gpu_s = 0.0  # GPU-seconds held while starting or restarting (no step runs)
         self.round_pending = False
+        self.next_round_t = math.inf  # the pending ROUND event's time (round policies)
+        # round policies: running jobs that finish after the next round, their FINISH event not
+        # yet pushed ({id: (state, finish time)}); pushed at the last round before it. A job
+        # rotated out first never enters the event heap, which otherwise filled with
+        # hundreds of thousands of stale finishes on a loaded cluster
+        self.deferred: dict[int, tuple] = {}
         self.fill_order: list = []  # round policies: who fills free GPUs next
+        self.fill_from = 0  # fill_order[:fill_from] started or finished since the round
         self.changed = True  # arrivals or finishes since the last round
         self.n_events = 0
         self.n_finished = 0
@@ -225,12 +248,14 @@ class Simulator:
                         acted = True
                 elif kind == ROUND:
                     self.round_pending, rounds, acted = False, True, True
+                    if self.active:  # the next round is known before anyone starts in this one
+                        self.push_round(now)
             if acted:
                 self.schedule(now, rounds)
+            if rounds and self.deferred:
+                self.release_finishes()
             if self.policy.round_s and self.active and not self.round_pending:
-                r = self.policy.round_s
-                self.push((math.floor(now / r) + 1) * r, ROUND)
-                self.round_pending = True
+                self.push_round(now)
         if self.on_progress:
             self.on_progress(self.n_finished, len(self.jobs))
         return SimResult(
@@ -243,6 +268,20 @@ class Simulator:
             self.n_events,
             self.start_gpu_s,
         )
+
+    def push_round(self, now: float) -> None:
+        r = self.policy.round_s
+        t = (math.floor(now / r) + 1) * r
+        self.next_round_t = t if t > now else t + r  # (a boundary rounded down: the next one)
+        self.push(self.next_round_t, ROUND)
+        self.round_pending = True
+
+    def release_finishes(self) -> None:
+        """Push the FINISH events of deferred jobs that finish before the next round."""
+        due = [jid for jid, (_, t) in self.deferred.items() if t <= self.next_round_t]
+        for jid in due:
+            s, t = self.deferred.pop(jid)
+            self.push(t, FINISH, jid, s.version)
 
     def report(self) -> None:
         if self.should_stop and self.should_stop():
@@ -305,6 +344,7 @@ class Simulator:
                 ranked = p.rank(states, now)
                 target = greedy_targets(ranked, self.cluster.gpus)
                 self.fill_order = [s for s in ranked if s.job.job_id not in target]
+                self.fill_from = 0
             self.apply(target, now)
             return
         if self.free == 0:  # between rounds nothing can start
@@ -321,12 +361,15 @@ class Simulator:
         if p.round_s:  # between rounds: fill, never preempt,
             # in the last round's ranking (then newcomers by arrival): re-ranking every waiting
             # job at every event made a loaded cluster's time-sharing policies slow
-            self.fill_order = [s for s in self.fill_order if s.job.finish_s is None]
-            smallest = min((s.job.gpus for s in self.fill_order if not s.alloc), default=None)
-            if smallest is None or smallest > self.free:
-                return
-            for s in self.fill_order:
-                if not s.alloc and s.job.gpus <= self.free:
+            # (one pass; the finished are dropped when the next round ranks again, and the
+            # front that started or finished since, which stays so until then, is skipped)
+            order, i = self.fill_order, self.fill_from
+            while i < len(order) and (order[i].alloc or order[i].job.finish_s is not None):
+                i += 1
+            self.fill_from = i
+            for j in range(i, len(order)):
+                s = order[j]
+                if not s.alloc and s.job.gpus <= self.free and s.job.finish_s is None:
                     self.start(s, s.job.gpus, now)
                     if self.free == 0:
                         break
@@ -372,17 +415,18 @@ class Simulator:
         return True
 
     def apply(self, target: dict, now: float) -> None:
-        """Move to a whole new allocation: stop and shrink first, then grow and start."""
-        changed = [s for s in self.active.values() if s.alloc != target.get(s.job.job_id, 0)]
+        """Move to a whole new allocation: stop and shrink first, then grow and start (a round
+        policy's jobs that stop wait for the next round's ranking: no queue to join)."""
+        get = target.get
+        changed = [s for s in self.active.values() if s.alloc != get(s.job.job_id, 0)]
         for s in changed:
             if s.alloc:
                 self.stop(s, now)
-        for s in sorted(changed, key=lambda s: s.job.job_id):
-            k = target.get(s.job.job_id, 0)
+        changed.sort(key=_job_id)
+        for s in changed:
+            k = get(s.job.job_id, 0)
             if k:
                 self.start(s, k, now)
-            elif s.job.gpus and not self.policy.elastic:
-                self.enqueue(s, now)
 
     # ---- one job's allocation ----------------------------------------------------------------
 
@@ -395,11 +439,19 @@ class Simulator:
 
     def place(self, k: int) -> tuple:
         free, G = self.free_nodes, self.cluster.gpus_per_node
-        if self.cluster.placement == "consolidated" and k <= G:
+        if self.consolidated and k <= G:
+            nodes_with = self.nodes_with
             for f in range(k, G + 1):  # best fit: the fullest node with room
-                if self.nodes_with[f]:
-                    node = min(self.nodes_with[f]) if f == G else next(iter(self.nodes_with[f]))
-                    self._take(node, k)
+                if nodes_with[f]:
+                    if f == G:
+                        node = heapq.heappop(self.empty_heap)
+                        while free[node] != G:
+                            node = heapq.heappop(self.empty_heap)
+                    else:
+                        node = next(iter(nodes_with[f]))
+                    nodes_with[f].discard(node)  # ``_take``, inline: the hot path
+                    free[node] = f - k
+                    nodes_with[f - k].add(node)
                     return ((node, k),)
         counts: dict = {}
         if self.cluster.placement == "spread":  # one GPU from each of the emptiest nodes
@@ -426,30 +478,42 @@ class Simulator:
         return tuple(sorted(counts.items()))
 
     def start(self, s: _State, k: int, now: float) -> None:
-        s.settle(now)
-        s.nodes = self.place(k)
+        # a job starts only while it holds nothing (no rate, no GPUs): nothing to settle
+        s.last_t = now
+        s.nodes = nodes = self.place(k)
         s.alloc = k
         self.free -= k
-        s.rate = s.job.curve(k, len(s.nodes) > 1)
-        delay = s.job.restart_s if s.started else s.job.startup_s
+        job = s.job
+        s.rate = s.req_rate if k == job.gpus and len(nodes) == 1 else job.curve(k, len(nodes) > 1)
         if s.started:
-            s.job.restarts += 1
+            job.restarts += 1
+            s.ready_t = now + job.restart_s
         else:
-            s.started, s.job.start_s = True, now
-        s.ready_t, s.seg_start = now + delay, now
-        self.reschedule(s, now)
+            s.started, job.start_s = True, now
+            s.ready_t = now + job.startup_s
+        s.seg_start = now
+        self._arm(s, now)
 
     def reschedule(self, s: _State, now: float) -> None:
         """New version: its completion (and queue demotion) events, its place among running."""
         s.settle(now)
+        self._arm(s, now)
+
+    def _arm(self, s: _State, now: float) -> None:  # ``reschedule`` for a settled job
         s.version += 1
-        t0 = max(now, s.ready_t)
-        self.push(t0 + (s.job.work - s.done) / s.rate, FINISH, s.job.job_id, s.version)
-        # a demotion that is due now (float rounding left gpu_s a hair below) is not due again
-        nxt = self.policy.thresholds and self.policy.next_threshold(s.gpu_s + 1e-9 * (1 + s.gpu_s))
-        if nxt:
-            self.push(now + (nxt - s.gpu_s) / s.alloc, LEVEL, s.job.job_id, s.version)
-        self.push_running(s, now)
+        jid = s.job.job_id
+        finish_t = (now if now > s.ready_t else s.ready_t) + (s.job.work - s.done) / s.rate
+        if self.round_pending and self.defer_finishes and finish_t > self.next_round_t:
+            self.deferred[jid] = (s, finish_t)  # round policies: see ``deferred``
+        else:
+            self.push(finish_t, FINISH, jid, s.version)
+        if self.policy.thresholds:
+            # a demotion due now (float rounding left gpu_s a hair below) is not due again
+            nxt = self.policy.next_threshold(s.gpu_s + 1e-9 * (1 + s.gpu_s))
+            if nxt:
+                self.push(now + (nxt - s.gpu_s) / s.alloc, LEVEL, jid, s.version)
+        if self.policy.preemptive:
+            self.push_running(s, now)
 
     def push_running(self, s: _State, now: float) -> None:
         if not self.policy.preemptive:  # only preempt_for reads the running heap
@@ -461,11 +525,18 @@ class Simulator:
     def stop(self, s: _State, now: float) -> None:
         s.settle(now)
         self._segment(s, now)
-        for node, c in s.nodes:
-            self._take(node, -c)
+        free, nodes_with = self.free_nodes, self.nodes_with
+        for node, c in s.nodes:  # ``_take(node, -c)``, inline: the hot path
+            f = free[node]
+            nodes_with[f].discard(node)
+            free[node] = f + c
+            nodes_with[f + c].add(node)
+            if f + c == self.cluster.gpus_per_node:
+                heapq.heappush(self.empty_heap, node)
         self.free += s.alloc
         s.alloc, s.nodes, s.rate = 0, (), 0.0
         s.version += 1
+        self.deferred.pop(s.job.job_id, None)
 
     def finish(self, s: _State, now: float) -> None:
         s.settle(now)
@@ -478,7 +549,7 @@ class Simulator:
 
     def _segment(self, s: _State, now: float) -> None:
         self.busy_gpu_s += s.alloc * (now - s.seg_start)
-        self.start_gpu_s += s.alloc * (min(s.ready_t, now) - s.seg_start)
+        self.start_gpu_s += s.alloc * ((s.ready_t if s.ready_t < now else now) - s.seg_start)
         if self.record and now > s.seg_start:
             self.gantt.append(
                 {
