@@ -147,12 +147,21 @@ def _wait_for_port(port: int, timeout: float) -> None:
     raise TimeoutError(f"JupyterLab did not listen on port {port} within {timeout} s")
 
 
-def open_and_run_all(browser, lab, name: str, timeout_s: float = 360, upto: str | None = None):
+def open_and_run_all(
+    browser,
+    lab,
+    name: str,
+    timeout_s: float = 360,
+    upto: str | None = None,
+    only: tuple[str, ...] = (),
+):
     """Open a notebook at 1280 px with the file browser open, Run All, wait for the last cell.
 
-    ``upto``: text in the panel's cell; run only the cells up to and including it (the later
-    labs' notebooks: nbval already runs every cell of every notebook, and the browser test must
-    fit its budget, so here it checks what only a browser shows: the panel, driven by a person).
+    nbval already runs every cell of every notebook; the browser test must fit its budget, so
+    for most labs it runs what the panel needs and checks what only a browser shows: the panel,
+    driven by a person. ``upto``: text in the panel's cell; run the cells up to and including
+    it. ``only``: texts, one per cell; run just those cells, in order (selected one by one and
+    run, as a person can), e.g. the set-up cell and the panel's.
     """
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     # a workspace of its own: only this notebook open, so selectors cannot match another one
@@ -164,7 +173,13 @@ def open_and_run_all(browser, lab, name: str, timeout_s: float = 360, upto: str 
         pass
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
     cells = page.locator(".jp-CodeCell")
-    if upto is None:
+    if only:
+        sources = page.locator(".jp-CodeCell .jp-InputArea-editor").all_inner_texts()
+        for text in only:
+            target = next(i for i, src in enumerate(sources) if text in src)
+            cells.nth(target).locator(".jp-InputPrompt").click()  # select it (command mode)
+            page.keyboard.press("Control+Enter")  # run it; the kernel queues the next one
+    elif upto is None:
         run_menu(page, "Run All Cells")
         target = cells.count() - 1
     else:
@@ -190,7 +205,8 @@ def open_and_run_all(browser, lab, name: str, timeout_s: float = 360, upto: str 
     last = max(i for i, p in enumerate(prompts) if re.search(r"\[\d+\]", p))
     assert not tracebacks, f"cell {last + 1} of {len(prompts)} raised:\n{tracebacks[0][-3000:]}"
     assert last == target, f"running stopped after cell {last + 1} of {target + 1}"
-    assert page.locator(".jp-OutputArea .js-plotly-plot").count() > 0, "no chart rendered"
+    if not only:  # (a panel's own charts appear after its Run: the caller checks those)
+        assert page.locator(".jp-OutputArea .js-plotly-plot").count() > 0, "no chart rendered"
     return page
 
 
@@ -288,7 +304,12 @@ def kernel_ranks(lab) -> list[psutil.Process]:
 
 def test_data_parallel_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "01_data_parallel.ipynb", upto="labkit.run_panel(")
+    page = open_and_run_all(
+        browser,
+        lab,
+        "01_data_parallel.ipynb",
+        only=("env = labkit.env_probe()", "base = RunConfig(", "labkit.run_panel("),
+    )
     assert page.locator(".widget-output .js-plotly-plot").count() >= 2  # the panel's charts
     assert "ddp@2" in panel_output(page)
 
@@ -417,7 +438,12 @@ def test_communication_panels_in_a_browser(lab, browser):
 
 def test_load_balancing_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "04_load_balancing.ipynb")
+    page = open_and_run_all(
+        browser,
+        lab,
+        "04_load_balancing.ipynb",
+        only=("labkit.env_probe()", "base = RunConfig(", "labkit.balance_panel("),
+    )
     wait_status(page, r"ready: ddp_naive@2 static, slow 1:2", 10)
 
     # as a person: rank 1's slider to 3 (typed into its readout), the dynamic policy, Run
@@ -456,7 +482,7 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
 def test_elastic_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
     page = open_and_run_all(
-        browser, lab, "07_elastic.ipynb", timeout_s=480, upto="labkit.elastic_panel("
+        browser, lab, "07_elastic.ipynb", only=("TINY = dict(", "labkit.elastic_panel(")
     )
     wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 2000 steps", 10)
 
@@ -496,7 +522,12 @@ def test_elastic_panel_in_a_browser(lab, browser):
 
 def test_memory_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "05_memory_precision.ipynb", upto="labkit.memory_panel(")
+    page = open_and_run_all(
+        browser,
+        lab,
+        "05_memory_precision.ipynb",
+        only=("base = RunConfig(", "labkit.memory_panel("),
+    )
     wait_status(page, r"done: fsdp@2, mlp 256x4", 10)
 
     # as a person: pick ZeRO-1 (the calculated bar redraws at once), then Run to measure it
@@ -594,7 +625,15 @@ def test_scheduling_panel_in_a_browser(lab, browser):
 def test_tensor_parallel_panels_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
     page = open_and_run_all(
-        browser, lab, "09_tensor_parallel.ipynb", upto="advisor = advisor_panel("
+        browser,
+        lab,
+        "09_tensor_parallel.ipynb",
+        only=(
+            "env = labkit.env_probe()",
+            "panel = layout_panel()",
+            "assert panel.run()",
+            "advisor = advisor_panel(",
+        ),
     )
     wait_status(page, r"done: run 1, tp: dp 1 x tp 2 x stages 1 = 2 rank", 10)
 
