@@ -101,6 +101,22 @@ class LaunchCancelled(LaunchError):
     """The caller's ``cancel`` event was set (a Stop button); every rank was stopped."""
 
 
+def own_cores(world_size: int, threads: int) -> list[list[int]] | None:
+    """Cores for each rank, ``threads`` of them each, from those this process may use; None
+    (the OS places the ranks) when they do not fit, for one rank, where the platform cannot
+    pin, or with ``LABKIT_PIN=0`` (what pinning changed on 2 cores: ``benchmarks/README.md``,
+    load_balance.py)."""
+    if world_size < 2 or os.environ.get("LABKIT_PIN") == "0":
+        return None
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return None
+    if world_size * threads > len(cores):
+        return None
+    return [cores[r * threads : (r + 1) * threads] for r in range(world_size)]
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -124,6 +140,10 @@ def launch(
     ``ctx.report(**metrics)`` on a rank calls ``on_progress(rank, metrics)`` here, in the caller.
     ``device``: "auto" (one GPU per rank if there are enough, else CPU), "cpu" or "cuda".
     ``threads``: torch threads per rank; default cores // world_size so ranks don't thrash.
+    When the ranks' threads fit the cores, each rank is pinned to cores of its own
+    (``own_cores``): a rank the OS moves between cores, or that shares one with another rank's
+    threads for a moment, computes less evenly, and every synchronous step waits for the
+    slowest. ``LABKIT_PIN=0`` in the environment leaves placement to the OS.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
@@ -158,6 +178,7 @@ def launch(
         "device": kind,
         "backend": backend,
         "threads": threads,
+        "cores": own_cores(world_size, threads),
         "store": spec_store,
         "env": env,
         "timeout_s": timeout_s or 1800.0,
@@ -331,6 +352,8 @@ def _rank_main(
     from . import dist as ldist
 
     torch.set_num_threads(spec["threads"])
+    if spec["cores"]:
+        os.sched_setaffinity(0, spec["cores"][rank])
 
     def report(**metrics) -> None:
         conn.send(("progress", metrics))

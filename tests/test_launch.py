@@ -97,6 +97,21 @@ def test_threads_per_rank_default_and_explicit():
     assert {r["threads"] for r in explicit} == {1}
 
 
+def test_ranks_whose_threads_fit_the_cores_each_get_cores_of_their_own(monkeypatch):
+    """What the kernel reports for each rank process (``os.sched_getaffinity`` inside it),
+    against the cores this process may use: disjoint sets of ``threads`` cores when they fit;
+    the caller's whole set when they do not, or with ``LABKIT_PIN=0``."""
+    mine = sorted(os.sched_getaffinity(0))
+    where = lambda ctx: sorted(os.sched_getaffinity(0))  # noqa: E731 (sent by value)
+    if len(mine) >= 2:
+        got = launch(where, 2, timeout_s=60, device="cpu", threads=1)
+        assert got == [[mine[0]], [mine[1]]], got
+    over = len(mine) + 1  # more ranks than cores: the OS places them
+    assert launch(where, over, timeout_s=120, device="cpu", threads=1) == [mine] * over
+    monkeypatch.setenv("LABKIT_PIN", "0")
+    assert launch(where, 2, timeout_s=60, device="cpu", threads=1) == [mine] * 2
+
+
 # ---- spawn safety and functions sent by value ---------------------------------------------------
 
 
