@@ -624,12 +624,14 @@ def test_scheduling_panel_in_a_browser(lab, browser):
     assert "lowest mean JCT" in status, status
     assert "on 8x8 (64 GPUs)" in shown and "Allocations under fifo" in shown, shown[:800]
 
-    # a long simulation (3,000 jobs under max-min fairness, several seconds): its bar counts the
-    # jobs finished, and the kernel's Interrupt, then Stop, abandon it within a few seconds; the
-    # 8x8 run's results stay below, said to be an earlier run's
+    # a long simulation (3,000 jobs at 160 % load on one node under max-min fairness, ~15 s):
+    # its bar counts the jobs finished, and the kernel's Interrupt, then Stop, abandon it within
+    # a few seconds; the 8x8 run's results stay below, said to be an earlier run's
     set_slider(page, "jobs", "3000")
+    set_slider(page, "arrival rate (offered load)", "1.6")
+    set_slider(page, "nodes", "1")
     page.select_option(".widget-select-multiple select", ["maxmin"])
-    wait_status(page, r"ready: 3000 jobs .* on 8x8 \(64 GPUs\): maxmin", 10)
+    wait_status(page, r"ready: 3000 jobs at 160% .* on 1x8 \(8 GPUs\): maxmin", 10)
     for stop, said in (
         (lambda: interrupt_kernel(page), "the kernel's Interrupt"),
         (lambda: page.click(".widget-button:has-text('Stop')"), "the Stop button"),
