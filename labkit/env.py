@@ -23,12 +23,19 @@ class OversubscribedWarning(UserWarning):
     """More CPU ranks than cores: they time-share, so speed-ups are not real parallelism."""
 
 
+def usable_cores() -> list[int] | None:
+    """The cores this process may run on, in order (taskset/cgroup affinity); None where the
+    platform cannot say (macOS, Windows)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+
+
 def cpu_cores() -> int:
     """Cores this process may run on (respects taskset/cgroup affinity, unlike os.cpu_count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+    cores = usable_cores()
+    return len(cores) if cores is not None else os.cpu_count() or 1
 
 
 def threads_per_rank(ranks: int, device: str) -> int:

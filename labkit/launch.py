@@ -45,7 +45,7 @@ from typing import Any
 import cloudpickle
 
 from . import _prewarm
-from .env import cpu_cores, resolve_device
+from .env import cpu_cores, resolve_device, usable_cores
 
 __all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "LaunchCancelled"]
 
@@ -108,11 +108,8 @@ def own_cores(world_size: int, threads: int) -> list[list[int]] | None:
     load_balance.py)."""
     if world_size < 2 or os.environ.get("LABKIT_PIN") == "0":
         return None
-    try:
-        cores = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return None
-    if world_size * threads > len(cores):
+    cores = usable_cores()
+    if cores is None or world_size * threads > len(cores):
         return None
     return [cores[r * threads : (r + 1) * threads] for r in range(world_size)]
 
