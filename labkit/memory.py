@@ -21,6 +21,17 @@ from .predict.memory import CATEGORIES, calculate
 from .rank.memory_meter import COLUMNS
 from .records import config_label, labels
 
+# the calculator's strategy for each run strategy it models: dp and ddp_naive hold DDP's bytes
+CALCULATED = {
+    "single": "single",
+    "dp": "ddp",
+    "ddp": "ddp",
+    "ddp_naive": "ddp",
+    "zero1": "zero1",
+    "fsdp": "fsdp",
+    "hsdp": "hsdp",
+}
+
 # ---- tables ------------------------------------------------------------------------------------
 
 
@@ -48,10 +59,11 @@ def predict(
 ) -> pd.DataFrame:
     """The calculator's bytes per rank for a run of ``cfg`` (labkit's toy model, or yours with
     its one-sample ``input_shape``)."""
+    _check_calculated([cfg.strategy])
     if model is None:
         model = make_model(cfg)
         input_shape = (3, 16, 16) if cfg.model == "cnn" else (cfg.in_features,)
-    strategy = "ddp" if cfg.strategy in ("ddp_naive", "dp") else cfg.strategy
+    strategy = CALCULATED[cfg.strategy]
     return calculate(
         model,
         input_shape=input_shape,
@@ -103,6 +115,7 @@ def measure(
     rank and category). ``optimizer``: "sgd_momentum" (labkit's) or "adam"."""
     if optimizer not in ("sgd_momentum", "adam"):
         raise ValueError(f"optimizer must be sgd_momentum or adam, got {optimizer!r}")
+    _check_calculated(strategies)
     cfgs = [
         base.replace(strategy=s, world_size=1 if s == "single" else w)
         for s in strategies
@@ -117,3 +130,13 @@ def measure(
         if on_result is not None:
             on_result(res)
     return experiment.combine(results), pd.concat(errors, ignore_index=True)
+
+
+def _check_calculated(strategies) -> None:
+    """Refuse, before anything runs, a strategy whose memory the calculator does not model."""
+    other = [s for s in strategies if s not in CALCULATED]
+    if other:
+        raise ValueError(
+            f"the memory calculator models {', '.join(CALCULATED)}; not {', '.join(other)}: "
+            "choose among those"
+        )

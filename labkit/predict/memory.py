@@ -2,14 +2,21 @@
 
 Model states follow the ZeRO paper (Rajbhandari et al. 2020, arXiv:1910.02054, section 3.1):
 with Psi parameters and K bytes of optimizer state per parameter, data parallelism (DDP) holds
-params + grads + K*Psi on every rank; ZeRO-1 divides the optimizer state by N, ZeRO-3 (FSDP)
-all three. Two recipes of bytes per parameter:
+params + grads + K*Psi on every rank; ZeRO-1 divides the optimizer state by N, ZeRO-2 the
+gradients too, ZeRO-3 (FSDP) all three; HSDP is ZeRO-3 within groups of ``shard_size`` ranks,
+replicated across groups, so its states divide by ``shard_size``, not N. Bytes per parameter
+(``recipe``):
 
-* ``"autocast"`` (what labkit trains with, ``torch.autocast``): fp32 parameters and gradients
-  (4 + 4), optimizer fp32 (SGD with momentum 4, Adam 8 + a 4-byte step per tensor), and in
-  bf16/fp16 a 16-bit copy of each weight that autograd saves for backward (``rest``);
-* ``"paper"`` (the ZeRO paper's mixed-precision Adam): 2 + 2 + 12 (fp32 master weights,
-  momentum and variance live in the optimizer state), 16 bytes per parameter before sharding.
+* ``"autocast"`` (what labkit trains with, ``torch.autocast``; ``calculate`` only): fp32
+  parameters and gradients (4 + 4), optimizer fp32 (SGD with momentum 4, Adam 8 + a 4-byte step
+  per tensor), and in bf16/fp16 a 16-bit copy of each weight that autograd saves (``rest``);
+* ``"paper"`` (the ZeRO paper's mixed-precision Adam, the default of the large-model formulas):
+  2 + 2 + 12 (16-bit parameters and gradients; fp32 master weights, momentum and variance in the
+  optimizer state), 16 bytes per parameter before sharding;
+* ``"deepspeed"`` (``transformer``, ``model_states``, ``transformer_layout``): DeepSpeed's
+  published estimators, which budget 18 bytes per parameter of sharded state by keeping an fp32
+  gradient partition (ZeRO-2 and ZeRO-3 only; see ``model_states``), so a figure can be matched
+  with the estimator a practitioner knows.
 
 Activations come from the model's layers: a meta-device forward (no memory, any size) records
 which tensors each layer type saves for backward (Linear/Conv: the input, and under autocast a
@@ -18,6 +25,9 @@ views: nothing; cross-entropy: fp32 log-probabilities), each distinct tensor cou
 input batch not at all. With activation checkpointing each block saves only its input. Exact
 shards: FSDP pads every tensor's dim 0 to a multiple of N; ZeRO-1 assigns whole tensors to
 ranks the way ``ZeroRedundancyOptimizer`` does (largest first, to the least loaded rank).
+Large transformers are described by their shape instead (``transformer``,
+``transformer_layout``): Korthikanti et al.'s activations, one definition of recomputation for
+both (``stack_activations``).
 """
 
 from __future__ import annotations
@@ -30,7 +40,11 @@ from torch import nn
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "rest")
 OPTIMIZERS = {"sgd": 0, "sgd_momentum": 4, "adam": 8}  # fp32 state bytes per parameter
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "hsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp", "hsdp")  # what calculate() traces exactly
+# transformer(): the ZeRO stage each strategy runs (FSDP is ZeRO-3; HSDP ZeRO-3 within a group)
+STAGES = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}
+RECIPES = ("paper", "deepspeed")  # bytes per parameter of the large-model formulas
 _ACT_OUT = (nn.ReLU, nn.Tanh, nn.Sigmoid)  # save their output
 _ACT_IN = (nn.GELU, nn.SiLU, nn.LeakyReLU)  # save their input
 _MATMUL = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -50,6 +64,7 @@ def activation_bytes(
     and ``weight_copies`` (autocast's 16-bit weights saved for backward). Traced on the meta
     device, so the model may be far larger than memory; unknown layer types are counted as
     saving input and output, and named in ``approximate``."""
+    _check_precision(precision)
     half = precision in ("bf16", "fp16")
     low = 2 if half else 4
     meta = copy.deepcopy(model).to("meta")
@@ -144,9 +159,10 @@ def shard_numels(
     """Parameters (elements) each rank holds of each category's sharded state: FSDP's padded
     dim-0 shards (HSDP's over its ``shard_size`` ranks), ZeRO-1's whole-tensor partition (for
     the optimizer), or everything."""
+    _check_strategy(strategy, world_size, shard_size)
     numels = [math.prod(s) for s in shapes]
     if strategy in ("fsdp", "hsdp"):
-        n = shard_size if strategy == "hsdp" and shard_size else world_size
+        n = shard_size if strategy == "hsdp" else world_size
         per = sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in shapes)
         return [per] * world_size
     if strategy == "zero1":
@@ -179,11 +195,13 @@ def calculate(
     shard_size: int | None = None,
 ):
     """Bytes per rank by category (one row per rank, a pandas DataFrame) for ``model`` trained
-    on ``global_batch`` samples of ``input_shape`` (one sample's shape) per step (``hsdp``:
-    sharded over ``shard_size`` ranks, default all of them)."""
+    on ``global_batch`` samples of ``input_shape`` (one sample's shape) per step under one of
+    labkit's strategies (``STRATEGIES``; ``hsdp`` shards each copy over ``shard_size`` ranks).
+    ``recipe``: "autocast" or "paper" (see the module docstring)."""
     import pandas as pd
 
-    _check(strategy, world_size, precision, optimizer, recipe, global_batch, accumulate)
+    _check_strategy(strategy, world_size, shard_size)
+    _check(world_size, precision, optimizer, recipe, global_batch, accumulate)
     micro = global_batch // (world_size * accumulate)
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     psi = sum(math.prod(s) for s in shapes)
@@ -191,7 +209,7 @@ def calculate(
         model, (micro, *input_shape), classes, precision=precision, checkpoint=checkpoint
     )
     p_b, g_b, k_b = _bytes_per_param(precision, optimizer, recipe)
-    full = shard_numels(shapes, "single", world_size)
+    full = [psi] * world_size
     sharded = shard_numels(shapes, strategy, world_size, shard_size)
     opt_n = sharded if strategy in ("zero1", "fsdp", "hsdp") else full
     state_n = sharded if strategy in ("fsdp", "hsdp") else full
@@ -228,19 +246,49 @@ def _adam_steps(shapes, strategy: str, world_size: int) -> list[int]:
     return [len(part) for part in zero1_partition([math.prod(s) for s in shapes], world_size)]
 
 
-def _check(strategy, world_size, precision, optimizer, recipe, global_batch, accumulate) -> None:
+def _check_strategy(strategy, world_size, shard_size) -> None:
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
-    if recipe not in ("autocast", "paper"):
+        also = " (ZeRO-2/3 of a large transformer: transformer() or model_states())"
         raise ValueError(
-            f"recipe must be 'autocast' (labkit's) or 'paper' (ZeRO's), got {recipe!r}"
+            f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
+            + (also if strategy in STAGES else "")
         )
+    _check_group(strategy, world_size, shard_size)
+
+
+def _check_group(strategy, world_size, shard_size) -> None:
+    """The world size, and HSDP's shard groups: ``shard_size`` for hsdp, and only for it."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
     if strategy == "single" and world_size != 1:
         raise ValueError("single runs on one device: set world_size=1")
+    if strategy != "hsdp":
+        if shard_size is not None:
+            raise ValueError("shard_size sets HSDP's shard groups: drop it or use strategy='hsdp'")
+        return
+    if not isinstance(shard_size, int) or shard_size < 1 or world_size % shard_size:
+        raise ValueError(
+            f"hsdp shards each copy of the model over shard_size ranks and replicates it across "
+            f"world_size / shard_size groups: set shard_size to a divisor of {world_size}, "
+            f"got {shard_size!r}"
+        )
+
+
+def _check_precision(precision) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+
+
+def _check(world_size, precision, optimizer, recipe, global_batch, accumulate) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    _check_precision(precision)
+    if recipe not in ("autocast", "paper"):
+        ds = " (DeepSpeed's estimators: transformer() or model_states())"
+        raise ValueError(
+            f"recipe must be 'autocast' (labkit's) or 'paper' (ZeRO's), got {recipe!r}"
+            + (ds if recipe == "deepspeed" else "")
+        )
     if global_batch % (world_size * accumulate):
         raise ValueError(
             f"global batch {global_batch} does not split into {accumulate} "
@@ -258,27 +306,49 @@ def transformer(
     micro_batch: int = 1,
     strategy: str = "fsdp",
     world_size: int = 64,
+    shard_size: int | None = None,
     optimizer: str = "adam",
     checkpoint: bool = True,
+    recipe: str = "paper",
 ) -> dict:
-    """One computed (not measured) row for a large transformer in the paper's mixed precision
-    (2 + 2 + K bytes per parameter). Activations per layer (Korthikanti et al. 2022, "Reducing
-    Activation Recomputation in Large Transformer Models", 16-bit, no tensor parallelism):
-    s*b*h*(34 + 5*a*s/h) bytes; with full checkpointing each layer keeps its 2*s*b*h-byte input."""
-    k = OPTIMIZERS[optimizer] + 4
-    n = world_size if strategy == "fsdp" else 1
-    s, b, h = seq, micro_batch, hidden
-    per_layer = 2 * s * b * h if checkpoint else s * b * h * (34 + 5 * heads * s / h)
+    """One computed (not measured) row, bytes per rank in the five categories, for a transformer
+    of ``n_params`` parameters and ``layers`` layers trained under ``strategy`` (a key of
+    ``STAGES``: its ZeRO stage; ``hsdp`` shards over ``shard_size`` ranks) on ``world_size``
+    ranks, one micro-batch per rank.
+
+    * params, grads, optimizer: ``model_states`` at the strategy's stage and ``recipe`` (the
+      ZeRO paper's 2 + 2 + K bytes per parameter by default);
+    * activations: ``stack_activations`` (Korthikanti et al. 2022) over the layers, the peak of
+      backward: with ``checkpoint`` (full recomputation) each layer keeps its 2*s*b*h-byte input
+      and the layer whose backward runs rebuilds its activations once on top;
+    * rest: ZeRO-3's working copy of the layer being computed, its 16-bit weights and gradients
+      (4 bytes per parameter of one layer): rest is where the memory meter counts FSDP's
+      gathered parameters too; ``transformer_layout``, which has no rest, adds the same bytes
+      to params."""
+    stage, shards = _stage(strategy, world_size, shard_size)
+    _check_layout_knobs(dp=shards, zero=stage, tp=1, pp=1, optimizer=optimizer, recipe=recipe)
+    _check_shape(layers=layers, hidden=hidden, heads=heads, tp=1, pp=1)
+    if not n_params > 0:
+        raise ValueError(f"n_params must be a positive number of parameters, got {n_params!r}")
+    row = _states(n_params, shards, stage, _k(optimizer), recipe)
+    recompute = "full" if checkpoint else "none"
+    shape = dict(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads)
     return {
         "model": f"transformer {n_params / 1e9:g}B (computed, not measured)",
         "strategy": strategy,
         "world_size": world_size,
-        "params": 2 * n_params / n,
-        "grads": 2 * n_params / n,
-        "optimizer": k * n_params / (world_size if strategy in ("zero1", "fsdp") else 1),
-        "activations": layers * per_layer,
-        "rest": 0.0,
+        **row,
+        "activations": stack_activations(layers=layers, **shape, recompute=recompute),
+        "rest": _gathered_layer(hidden, 1, stage, shards, recipe),
     }
+
+
+def _stage(strategy: str, world_size: int, shard_size: int | None) -> tuple[int, int]:
+    """A strategy's ZeRO stage and the ranks its states are sharded over."""
+    if strategy not in STAGES:
+        raise ValueError(f"strategy must be one of {', '.join(STAGES)}, got {strategy!r}")
+    _check_group(strategy, world_size, shard_size)
+    return STAGES[strategy], shard_size if strategy == "hsdp" else world_size
 
 
 # ---- large transformers under any layout (tensor, pipeline and data parallel, ZeRO) -----------
@@ -307,7 +377,14 @@ def parameters(*, layers: int, hidden: int, vocab: int, seq: int) -> int:
 
 
 def model_states(
-    psi: float, *, dp: int = 1, zero: int = 0, tp: int = 1, pp: int = 1, optimizer: str = "adam"
+    psi: float,
+    *,
+    dp: int = 1,
+    zero: int = 0,
+    tp: int = 1,
+    pp: int = 1,
+    optimizer: str = "adam",
+    recipe: str = "paper",
 ) -> dict:
     """Bytes per GPU of the model states of ``psi`` parameters, split evenly over ``tp * pp``
     model-parallel GPUs, in the ZeRO paper's mixed precision (Rajbhandari et al. 2020,
@@ -324,9 +401,24 @@ def model_states(
     3       + parameters (+p)       (2 + 2 + K) * psi / dp
     ======  ======================  ==========================
 
-    Figure 1's example, psi = 7.5e9, dp = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB."""
-    _check_layout_knobs(dp=dp, zero=zero, tp=tp, pp=pp, optimizer=optimizer)
-    return _states(psi / (tp * pp), dp, zero, _k(optimizer))
+    Figure 1's example, psi = 7.5e9, dp = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
+
+    ``recipe="deepspeed"`` follows DeepSpeed's estimators instead (GPU, nothing offloaded;
+    ``estimate_zero2_model_states_mem_needs`` in deepspeed/runtime/zero/stage_1_and_2.py and
+    ``estimate_zero3_model_states_mem_needs`` in stage3.py), 18 bytes per parameter of sharded
+    state, for the two stages they are published for:
+
+    ======  =============================================================================
+    2       2 * psi + 18 * psi / dp: 16-bit and fp32 gradients (2 + 4) and K sharded
+    3       18 * psi / dp: 16-bit weights, the fp32 gradient partition (4) and K sharded,
+            plus 4 bytes per parameter of the layer being computed (``transformer_layout``)
+    ======  =============================================================================
+
+    DeepSpeed's ZeRO-3 estimator counts a layer's 16-bit gradients only in that working copy."""
+    _check_layout_knobs(dp=dp, zero=zero, tp=tp, pp=pp, optimizer=optimizer, recipe=recipe)
+    if not psi > 0:
+        raise ValueError(f"psi must be a positive number of parameters, got {psi!r}")
+    return _states(psi / (tp * pp), dp, zero, _k(optimizer), recipe)
 
 
 def _k(optimizer: str) -> int:
@@ -334,13 +426,27 @@ def _k(optimizer: str) -> int:
     return OPTIMIZERS[optimizer] + 4
 
 
-def _states(psi_gpu: float, dp: int, zero: int, k: int) -> dict:
+def _states(psi_gpu: float, dp: int, zero: int, k: int, recipe: str = "paper") -> dict:
     """ZeRO's sharding of ``psi_gpu`` parameters' states over ``dp`` ranks (see model_states)."""
+    if recipe == "deepspeed":  # the fp32 gradient partition; ZeRO-2 also shards 16-bit ones
+        grads = (2 + 4 if zero == 2 else 4) * psi_gpu / dp
+    else:
+        grads = 2 * psi_gpu / (dp if zero >= 2 else 1)
     return {
         "params": 2 * psi_gpu / (dp if zero >= 3 else 1),
-        "grads": 2 * psi_gpu / (dp if zero >= 2 else 1),
+        "grads": grads,
         "optimizer": k * psi_gpu / (dp if zero >= 1 else 1),
     }
+
+
+def _gathered_layer(hidden: int, tp: int, zero: int, dp: int, recipe: str) -> float:
+    """ZeRO-3's working copy of the layer being computed: its 16-bit weights, gathered, and its
+    16-bit gradients until they are reduce-scattered (DeepSpeed's ``largest_layer_memory``, 4
+    bytes per parameter of one layer). Nothing is gathered on one rank, but DeepSpeed's
+    estimator counts it there too, where it is the only place its 16-bit gradients live."""
+    if zero == 3 and (dp > 1 or recipe == "deepspeed"):
+        return 4 * (12 * hidden * hidden + 13 * hidden) / tp
+    return 0.0
 
 
 def stage_parameters(
@@ -388,6 +494,7 @@ def layer_activations(
     what selective recomputation recomputes instead of keeping. Without sequence parallelism
     the LayerNorms and dropouts (10*s*b*h) are replicated on every tp rank."""
     _check_recompute(recompute)
+    _check_whole(tp=tp)
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
     if recompute == "full":
         return 2 * s * b * h / (t if sequence_parallel else 1)
@@ -413,51 +520,73 @@ def transformer_layout(
     optimizer: str = "adam",
     microbatches_in_flight: int | None = None,
     sequence_parallel: bool = False,
+    recipe: str = "paper",
 ) -> dict:
     """Bytes per GPU (``params``, ``grads``, ``optimizer``, ``activations``, ``total``) of a
     GPT-style transformer trained with tensor (``tp``), pipeline (``pp``) and data (``dp``)
-    parallelism and a ZeRO stage, in mixed precision (2 + 2 + 12 bytes per parameter with Adam),
-    on the fullest GPU: the first pipeline stage.
+    parallelism and a ZeRO stage, in mixed precision (2 + 2 + 12 bytes per parameter with Adam,
+    or DeepSpeed's ``recipe``: see ``model_states``), on the fullest GPU: the first pipeline
+    stage.
 
     * Model states: the first stage's parameters (``stage_parameters``), sharded by ZeRO over
       dp (``model_states``).
-    * Activations: ``layer_activations`` (Korthikanti et al. 2022, Table 2) for each of the
-      stage's L/pp layers, times the micro-batches in flight. The rule implemented: under the
-      1F1B schedule stage i holds at most pp - i micro-batches' activations before their
-      backward frees them, so the first stage holds pp of them (``microbatches_in_flight``
-      defaults to pp; pass min(pp, m) with m micro-batches per step, or m for GPipe). As
-      Korthikanti notes, L/pp layers x pp micro-batches = L layers' worth, whatever pp is.
-      With recomputation, the layer whose backward runs also holds its recomputed activations
-      once: one layer's full (or attention) activations are added.
+    * Activations: ``stack_activations`` over the stage's L/pp layers, times the micro-batches
+      in flight. The rule implemented: under the 1F1B schedule stage i holds at most pp - i
+      micro-batches' activations before their backward frees them, so the first stage holds pp
+      of them (``microbatches_in_flight`` defaults to pp; pass min(pp, m) with m micro-batches
+      per step, or m for GPipe). As Korthikanti notes, L/pp layers x pp micro-batches = L
+      layers' worth, whatever pp is.
     * ZeRO-3 gathers each layer's parameters just before computing it and holds that layer's
       full 16-bit gradient until it is reduce-scattered: 4 bytes per parameter of one layer
       are added to ``params`` (more if the framework prefetches the next layers).
     * Left out (as in Table 2): the embedding's dropout mask and the output layer's logits
       (about s*b*h/t and 4*s*b*V/t bytes on the first and last stage), the framework's own
       memory (CUDA context, NCCL buffers, fragmentation): the advisor keeps a reserve for it."""
-    _check_layout_knobs(dp=dp, zero=zero, tp=tp, pp=pp, optimizer=optimizer)
+    _check_layout_knobs(dp=dp, zero=zero, tp=tp, pp=pp, optimizer=optimizer, recipe=recipe)
     _check_shape(layers=layers, hidden=hidden, heads=heads, tp=tp, pp=pp)
-    psi = stage_parameters(layers=layers, hidden=hidden, vocab=vocab, seq=seq, tp=tp, pp=pp)
-    out = _states(psi, dp, zero, _k(optimizer))
-    if zero == 3 and dp > 1:  # the layer being computed, gathered: 16-bit weights and grads
-        out["params"] += 4 * (12 * hidden * hidden + 13 * hidden) / tp
-    shape = dict(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp)
-    kept = layer_activations(**shape, sequence_parallel=sequence_parallel, recompute=recompute)
     in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
-    out["activations"] = (layers // pp) * in_flight * kept + _recomputed_once(
-        shape, sequence_parallel, recompute
+    _check_whole(microbatches_in_flight=in_flight)
+    psi = stage_parameters(layers=layers, hidden=hidden, vocab=vocab, seq=seq, tp=tp, pp=pp)
+    out = _states(psi, dp, zero, _k(optimizer), recipe)
+    out["params"] += _gathered_layer(hidden, tp, zero, dp, recipe)
+    out["activations"] = stack_activations(
+        layers=layers // pp,
+        in_flight=in_flight,
+        seq=seq,
+        micro_batch=micro_batch,
+        hidden=hidden,
+        heads=heads,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
     )
     out["total"] = sum(out[c] for c in (*STATE_CATEGORIES, "activations"))
     return out
 
 
-def _recomputed_once(shape: dict, sequence_parallel: bool, recompute: str) -> float:
-    """What one layer's backward rebuilds on top of what it kept: the working set of recompute."""
-    if recompute == "none":
-        return 0.0
-    full = layer_activations(**shape, sequence_parallel=sequence_parallel)
+def stack_activations(
+    *,
+    layers: int,
+    seq: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    in_flight: int = 1,
+) -> float:
+    """Peak bytes of activations on one GPU for ``layers`` transformer layers, each holding
+    ``in_flight`` micro-batches: what each layer keeps (``layer_activations``), and with
+    recomputation what the layer whose backward runs rebuilds on top of that, once (its full
+    activations less what it kept). Full recomputation keeps each layer's 2*s*b*h-byte input
+    (Korthikanti et al. 2022, Table 2); the rebuilt layer is the rest of backward's peak.
+    ``transformer`` and ``transformer_layout`` both read this one definition."""
+    _check_whole(layers=layers, in_flight=in_flight)
+    shape = dict(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp)
     kept = layer_activations(**shape, sequence_parallel=sequence_parallel, recompute=recompute)
-    return full - kept
+    full = layer_activations(**shape, sequence_parallel=sequence_parallel)
+    return layers * in_flight * kept + (full - kept if recompute != "none" else 0.0)
 
 
 def _check_recompute(recompute: str) -> None:
@@ -465,13 +594,29 @@ def _check_recompute(recompute: str) -> None:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
 
 
-def _check_layout_knobs(*, dp: int, zero: int, tp: int, pp: int, optimizer: str) -> None:
-    if zero not in ZERO_STAGES:
+def _check_layout_knobs(
+    *, dp: int, zero: int, tp: int, pp: int, optimizer: str, recipe: str = "paper"
+) -> None:
+    if isinstance(zero, bool) or zero not in ZERO_STAGES:
         raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
-        if not isinstance(value, int) or value < 1:
+    _check_whole(dp=dp, tp=tp, pp=pp)
+    if recipe not in RECIPES:
+        raise ValueError(
+            f"recipe must be 'paper' (the ZeRO paper's 16 bytes per parameter) or 'deepspeed' "
+            f"(DeepSpeed's estimators, 18 per sharded parameter), got {recipe!r}"
+        )
+    if recipe == "deepspeed" and zero < 2:
+        raise ValueError(
+            "recipe='deepspeed' follows DeepSpeed's estimators, published for ZeRO-2 and ZeRO-3 "
+            "only: use ZeRO stage 2 or 3 (strategy zero2, zero3, fsdp or hsdp), or recipe='paper'"
+        )
+
+
+def _check_whole(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
