@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 
-.PHONY: install demo test lint test-py test-nb test-browser chromium lab docs bench clean
+.PHONY: install demo test lint test-py test-nb test-browser chromium lab docs bench gpu-check clean
 
 install: $(STAMP)
 
@@ -49,7 +49,7 @@ docs: $(STAMP)          ## the course as a static site in site/ (every notebook 
 
 lab: $(STAMP)           ## JupyterLab on notebooks/, with a "labkit" kernel for this venv
 	$(BIN)/python -m ipykernel install --user --name labkit --display-name "labkit (.venv)"
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab notebooks $$(test "$$(id -u)" = 0 && echo --allow-root)
 
 bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (not a dependency)
 	$(BIN)/python -m pip install -q accelerate
@@ -64,6 +64,9 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/memory_precision.py
 	$(BIN)/python benchmarks/sync_async.py
 	$(BIN)/python benchmarks/sched_speed.py
+
+gpu-check: $(STAMP)     ## every strategy, check, hook, precision on CUDA/NCCL: out/gpu.{json,txt}
+	$(BIN)/python -m labkit.gpu_check --out out
 
 clean:
 	rm -rf $(VENV) out site .pytest_cache

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .dist import RankContext
+from .dist import RankContext, all_gather_single, reduce_scatter_single
 from .predict.collectives import OPS, bus_factor
 from .records import summarize
 from .report import human_bytes  # noqa: F401  (comm.human_bytes: the benchmark tables use it)
@@ -81,11 +81,9 @@ def _call(op: str, n: int, nbytes: int, device: torch.device):
     if op == "all_reduce":
         return lambda: dist.all_reduce(full)
     if op == "all_gather":  # S = the gathered output
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return lambda: gather(full, part)
+        return lambda: all_gather_single(full, part)
     if op == "reduce_scatter":  # S = the scattered input
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: scatter(part, full)
+        return lambda: reduce_scatter_single(part, full)
     if op == "broadcast":
         return lambda: dist.broadcast(full, src=0)
     raise ValueError(f"unknown op {op!r}: choose from {', '.join(OPS)}")

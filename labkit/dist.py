@@ -23,6 +23,10 @@ import torch.distributed as dist
 from .env import default_backend, resolve_device
 from .wire import watch
 
+# one collective each, named *_single from torch 2.14 and *_into_tensor / *_tensor before it
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _no_report(**metrics) -> None:
     pass

@@ -28,25 +28,36 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HookOpName
 
 from .predict.collectives import coefficients
 
+try:  # the process-group hooks of torch 2.14; an older torch trains, and counts nothing (NaN)
+    from torch._C._distributed_c10d import HookOpName
+except ImportError:
+    HookOpName = None
+COUNTING = HookOpName is not None and hasattr(dist.ProcessGroup, "register_pre_hook")
+WHY_NOT = "" if COUNTING else f"torch {torch.__version__} has no process-group hooks (2.14 has)"
+
 # the alpha-beta model's name for each operation (a reduce to one root, a gather, a scatter and
 # an all-to-all cost one message per peer: modelled as point to point)
-_OPS = {
-    HookOpName.ALLREDUCE: "all_reduce",
-    HookOpName.ALLGATHER: "all_gather",
-    HookOpName.REDUCE_SCATTER: "reduce_scatter",
-    HookOpName.BROADCAST: "broadcast",
-    HookOpName.REDUCE: "broadcast",
-    HookOpName.SEND: "p2p",
-    HookOpName.RECV: "p2p",
-    HookOpName.GATHER: "p2p",
-    HookOpName.SCATTER: "p2p",
-    HookOpName.ALLTOALL: "p2p",
-}
+_OPS = (
+    {
+        HookOpName.ALLREDUCE: "all_reduce",
+        HookOpName.ALLGATHER: "all_gather",
+        HookOpName.REDUCE_SCATTER: "reduce_scatter",
+        HookOpName.BROADCAST: "broadcast",
+        HookOpName.REDUCE: "broadcast",
+        HookOpName.SEND: "p2p",
+        HookOpName.RECV: "p2p",
+        HookOpName.GATHER: "p2p",
+        HookOpName.SCATTER: "p2p",
+        HookOpName.ALLTOALL: "p2p",
+    }
+    if COUNTING
+    else {}
+)
 HOOK_ID = 0x1AB  # one id per group: watching a group twice replaces, never doubles
 
 
@@ -100,6 +111,8 @@ class Traffic:
                 "comm_bytes": int(round(self.sent)),
                 "comm_untimed": self.untimed,
             }
+            if not COUNTING:  # unknown, not zero
+                out = dict.fromkeys(out, float("nan"))
             self.calls, self.payload, self.sent, self.untimed = 0, 0, 0.0, 0
         busy, end = 0.0, float("-inf")
         for _, a, b, _ in sorted(spans, key=lambda s: s[1]):
@@ -142,6 +155,8 @@ def sent(args, payload: int, n: int, me: int) -> float:
 
 def watch(group: dist.ProcessGroup | None = None) -> None:
     """Count every operation ``group`` (default: the world) is handed, into ``traffic()``."""
+    if not COUNTING:
+        return
     pg = group if group is not None else dist.group.WORLD
     n, issued = pg.size(), {}
 
@@ -187,6 +202,8 @@ def watch_all() -> None:
 
 def unwatch(group: dist.ProcessGroup | None = None) -> None:
     """Stop counting ``group`` (default: the world): a baseline with nothing labkit adds."""
+    if not COUNTING:
+        return
     pg = group if group is not None else dist.group.WORLD
     pg.unregister_pre_hook(HOOK_ID)
     pg.unregister_post_hook(HOOK_ID)

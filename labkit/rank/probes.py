@@ -187,14 +187,19 @@ def record(
         "start_s": start_s,
         "compute_cpu_share": cpu_share,
         "peak_mem_bytes": peak_memory(device),
-        "comm_bytes": int(comm_bytes),
-        "comm_calls": int(comm_calls),
-        "comm_payload_bytes": int(comm_payload_bytes),
+        "comm_bytes": _count(comm_bytes),
+        "comm_calls": _count(comm_calls),
+        "comm_payload_bytes": _count(comm_payload_bytes),
         # seconds any collective was in flight (hidden or exposed); where none is timed, the
         # communication phase itself
         "comm_total_s": float(extra.pop("comm_total_s", times.get("comm_s", 0.0))),
         **extra,
     }
+
+
+def _count(n: float) -> int | float:
+    """A whole count, or NaN where nothing could count it (``labkit.wire.COUNTING``)."""
+    return int(n) if n == n else float("nan")
 
 
 class RunQueueClock:

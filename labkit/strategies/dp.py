@@ -28,6 +28,9 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
             "machines) use DDP, one process per rank."
         )
         dp_model = nn.DataParallel(model)
+        if dp_model.device_ids:  # CPU asked for on a machine with GPUs: DataParallel moved the
+            dp_model.device_ids = []  # model to cuda:0; take its own no-GPU path instead
+            model.to(ctx.device)
     else:
         used = min(cfg.world_size, gpus)
         if used < cfg.world_size:

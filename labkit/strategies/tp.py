@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import RunConfig
 from ..data import batches, shard_loader
-from ..dist import RankContext
+from ..dist import RankContext, all_gather_single, reduce_scatter_single
 from ..factories import Factories
 from ..models import Block, Embed, Head
 from ..rank.loop import build_model, train_loop
@@ -54,7 +54,7 @@ def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((t * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)  # torch 2.14's name for all_gather_into_tensor
+    all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -63,7 +63,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // t, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=group)  # was reduce_scatter_tensor
+    reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
