@@ -4,7 +4,10 @@ Perfetto's trace processor cannot be installed offline here, so the trace is che
 the Trace Event Format's documented fields (the JSON object form: ``traceEvents``; complete
 events ``ph: "X"`` with ``ts`` and ``dur`` in microseconds; instant events ``ph: "i"`` with a
 scope; metadata events ``ph: "M"`` naming processes and threads) by a reader written here from
-that document, not by labkit's writer, and against the records it was made from."""
+that document, not by labkit's writer, and against the records it was made from: for one
+strategy of each kind, events on every thread nest, a rank's steps follow each other, each
+step's events add up to its measured ``step_s`` and each phase to its column, and the median
+step, gated by the slowest rank, is the table's."""
 
 from __future__ import annotations
 
@@ -13,7 +16,9 @@ import json
 import pandas as pd
 import pytest
 
-from labkit import RunConfig, experiment
+from labkit import RunConfig, experiment, registry
+from labkit.rank.probes import TIME_COLUMNS
+from labkit.records import summarize
 from labkit.trace import to_chrome_trace
 
 SMALL = RunConfig(width=64, depth=2, steps=3, warmup=1, global_batch=32, dataset_size=512)
@@ -60,7 +65,7 @@ def test_a_ddp_and_a_pipeline_run_trace_one_process_per_rank_on_one_clock(tmp_pa
             total = sum(e["dur"] for e in mine if e["args"]["step"] == step) / 1e6
             assert total == pytest.approx(want, abs=1e-5)
         assert {"forward", "backward", "optimizer"} <= {e["name"] for e in mine}
-        comm = [e for e in complete if e["pid"] == mine[0]["pid"] and e["tid"] == 1]
+        comm = [e for e in complete if e["pid"] == mine[0]["pid"] and e["tid"] >= 1]
         assert len(comm) == ddp[ddp["rank"] == rank]["comm_calls"].sum()  # one per collective
         assert all(e["name"] == "all_reduce" for e in comm)
     # the pipeline: each stage's forward and backward per micro-batch, stage and index in args
@@ -78,6 +83,140 @@ def test_a_ddp_and_a_pipeline_run_trace_one_process_per_rank_on_one_clock(tmp_pa
     assert len(steps) == 4 * SMALL.steps  # 2 runs x 2 ranks
     other = got["trace"]["otherData"]
     assert other["world_sizes"] == [2] and other["command"] == "test" and "busy" in other
+
+
+# one strategy of each kind in labkit.registry, both pipeline schedules, and both ways of
+# being asynchronous (a parameter server's updates, Hogwild's shared model)
+EVERY_KIND = {
+    "single": {"world_size": 1},
+    "ddp": {},
+    "fsdp": {},
+    "pipeline_gpipe": {},
+    "pipeline_1f1b": {},
+    "tp": {},
+    "dp_tp": {"world_size": 4, "tp": 2},
+    "dp_pp": {"world_size": 4},
+    "local_sgd": {"period": 2},
+    "async_ps": {"world_size": 3},
+    "hogwild": {},
+}
+PHASES = {c.removesuffix("_s") for c in TIME_COLUMNS} - {"step"}  # a record's phase columns
+NS = 1000  # the trace's times are microseconds; compared here in integer nanoseconds
+
+
+def timeline(trace: dict) -> dict:
+    """Per (pid, tid), the complete events as (start ns, end ns, event); per pid, its rank."""
+    ranks = {e["pid"]: int(e["args"]["name"].split()[1]) for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}  # fmt: skip
+    threads: dict = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            span = (round(e["ts"] * NS), round((e["ts"] + e["dur"]) * NS), e)
+            threads.setdefault((e["pid"], e["tid"]), []).append(span)
+    return {"ranks": ranks, "threads": threads}
+
+
+def crossings(spans: list) -> list:
+    """Pairs of events on one thread that overlap without one holding the other."""
+    return [
+        (a[2]["name"], b[2]["name"])
+        for i, a in enumerate(spans)
+        for b in spans[i + 1 :]
+        if max(a[0], b[0]) < min(a[1], b[1])  # they overlap
+        and not (a[0] <= b[0] and b[1] <= a[1])
+        and not (b[0] <= a[0] and a[1] <= b[1])
+    ]
+
+
+def test_the_traced_strategies_cover_every_kind():
+    assert {registry.get(name).kind for name in EVERY_KIND} == set(registry.KINDS)
+
+
+@pytest.mark.parametrize("strategy", list(EVERY_KIND))
+def test_every_strategys_trace_nests_and_tiles_its_measured_steps(strategy, tmp_path):
+    records = experiment.run(SMALL.replace(strategy=strategy, **EVERY_KIND[strategy])).records
+    to_chrome_trace(records, tmp_path / "t.json")
+    got = timeline(read(tmp_path / "t.json")["trace"])
+    for (pid, tid), spans in got["threads"].items():
+        assert crossings(spans) == [], (got["ranks"][pid], tid)
+    drawn = {}  # (rank, step) -> the ns its events add up to
+    for pid, rank in got["ranks"].items():
+        mine = [s for s in got["threads"][pid, 0] if "phase" in s[2]["args"]]
+        recs = records[records["rank"] == rank].set_index("step")
+        assert sorted({s[2]["args"]["step"] for s in mine}) == sorted(recs.index)
+        previous_end = None
+        for step, rec in recs.sort_index().iterrows():
+            spans = [s for s in mine if s[2]["args"]["step"] == step]
+            begin, end = min(s[0] for s in spans), max(s[1] for s in spans)
+            assert previous_end is None or previous_end <= begin, (rank, step)  # in turn
+            previous_end = end
+            total = sum(s[1] - s[0] for s in spans)
+            want = rec["step_s"] * 1e9
+            assert total == pytest.approx(want, rel=0.01) and end - begin == pytest.approx(
+                want, rel=0.01
+            ), (rank, step)
+            assert {s[2]["args"]["phase"] for s in spans} <= PHASES
+            for phase in PHASES:  # each of the record's phases, drawn in full
+                part = sum(s[1] - s[0] for s in spans if s[2]["args"]["phase"] == phase)
+                assert part == pytest.approx(rec[f"{phase}_s"] * 1e9, rel=0.01, abs=1e3), (
+                    rank, step, phase
+                )  # fmt: skip
+            drawn[rank, step] = total
+    # the table's step: each step gated by its slowest rank, the lower median of those
+    gated = sorted(
+        max(ns for (_, s), ns in drawn.items() if s == step) for step in {s for _, s in drawn}
+    )
+    median_ms = gated[(len(gated) - 1) // 2] / 1e6
+    assert median_ms == pytest.approx(summarize(records)["step_ms"].iloc[0], abs=1e-3)
+    if strategy == "async_ps":  # the server's update: wait for a push, apply it, reply
+        pid = next(pid for pid, rank in got["ranks"].items() if rank == 0)
+        server = [s for s in got["threads"][pid, 0] if "phase" in s[2]["args"]]
+        for step in {s[2]["args"]["step"] for s in server}:
+            order = [s[2]["args"]["phase"] for s in sorted(server) if s[2]["args"]["step"] == step]
+            assert order == ["wait", "optimizer", "comm"], (step, order)
+
+
+@pytest.mark.parametrize("strategy", ["pipeline_gpipe", "pipeline_1f1b"])
+def test_a_pipelines_receives_are_drawn_per_micro_batch_after_their_sender(strategy, tmp_path):
+    M = 4
+    records = experiment.run(SMALL.replace(strategy=strategy, microbatches=M)).records
+    to_chrome_trace(records, tmp_path / "t.json")
+    got = timeline(read(tmp_path / "t.json")["trace"])
+    by_rank = {rank: got["threads"][pid, 0] for pid, rank in got["ranks"].items()}
+
+    def ends(rank: int, prefix: str) -> dict:
+        return {(s[2]["args"]["step"], s[2]["args"]["microbatch"]): s[1]
+                for s in by_rank[rank] if s[2]["name"].startswith(prefix)}  # fmt: skip
+
+    every = {(step, m) for step in range(SMALL.steps) for m in range(M)}
+    # stage 1 receives each micro-batch's activations once stage 0's forward has made them;
+    # stage 0 each gradient once stage 1's backward has
+    for receiver, recv, sender, made in ((1, "recv activations", 0, "forward mb"),
+                                         (0, "recv gradient", 1, "backward mb")):  # fmt: skip
+        got_at, made_at = ends(receiver, recv), ends(sender, made)
+        assert set(got_at) == set(made_at) == every
+        assert all(got_at[k] >= made_at[k] - NS for k in every), (recv, got_at, made_at)
+    for rank in (0, 1):  # the sends' completion closes each stage's schedule
+        sends = [s for s in by_rank[rank] if s[2]["name"] == "wait for sends"]
+        assert {s[2]["args"]["step"] for s in sends} == set(range(SMALL.steps))
+
+
+def test_collectives_in_flight_at_once_are_drawn_on_threads_of_their_own():
+    # an all-gather prefetched while a reduce-scatter is in flight (FSDP's backward can do it)
+    spans = [["reduce_scatter", 0.010, 0.014, 64], ["all_gather", 0.012, 0.016, 64],
+             ["all_gather", 0.0145, 0.015, 64], ["all_reduce", 0.016, 0.017, 8]]  # fmt: skip
+    rec = {"strategy": "fsdp", "world_size": 2, "threads": 1, "rank": 0, "step": 0,
+           "start_s": 0.009, "step_s": 0.009, "forward_s": 0.003, "backward_s": 0.006,
+           "comm_spans": spans}  # fmt: skip
+    trace = to_chrome_trace(pd.DataFrame([rec]))
+    got = timeline(trace)
+    comm = {tid: ss for (_, tid), ss in got["threads"].items() if tid > 0}
+    assert all(crossings(ss) == [] for ss in comm.values())
+    drawn = sorted((s[0], s[1], s[2]["name"]) for ss in comm.values() for s in ss)
+    assert drawn == [(round(a * 1e9), round(b * 1e9), op) for op, a, b, _ in spans]
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}  # fmt: skip
+    assert set(comm) <= set(names) and len(comm) == 2  # the first free thread, not one each
 
 
 def test_checkpoint_saves_are_marked(tmp_path):

@@ -150,19 +150,27 @@ class EventLog:
     def __init__(self, stage: int, device: torch.device, offset_s: float = 0.0):
         self.stage, self.device, self.offset_s = stage, device, offset_s
         self.events: list[dict] = []
+        self.comm_events: list[dict] = []  # each blocked interval, on the same clock
         self.cpu_s = self.comm_s = 0.0
         self.threads = torch.get_num_threads()
 
     def begin(self) -> None:
-        self.events, self.cpu_s, self.comm_s = [], 0.0, 0.0
+        self.events, self.comm_events, self.cpu_s, self.comm_s = [], [], 0.0, 0.0
 
     @contextmanager
-    def comm(self):
+    def comm(self, kind: str | None = None):
         """Time blocked in a point-to-point receive or a send's completion: the step's
-        communication, read where it happens (not what is left of the step)."""
+        communication, read where it happens (not what is left of the step). Each interval is
+        kept for the step's trace; ``kind`` names it where the caller knows (``label_comm``
+        names the schedules' receives and sends)."""
         start = time.perf_counter()
         yield
-        self.comm_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.comm_s += end - start
+        self.comm_events.append(
+            {"kind": kind, "microbatch": None, "start": start + self.offset_s,
+             "end": end + self.offset_s}
+        )  # fmt: skip
 
     @contextmanager
     def time(self, kind: str, microbatch: int):
@@ -214,9 +222,11 @@ def train_stages(
     """Warm up, then run ``cfg.steps`` measured steps of ``step_fn``; return this rank's result.
 
     Each step: fetch the global batch (data; replica r of ``replicas`` pipelines takes its r-th
-    slice), meet every rank at a barrier and read the shared clock (this rank's step start),
-    run the schedule, ``sync_grads`` (data parallelism across replicas: timed as comm), step
-    the optimizer.
+    slice), meet every rank at a barrier (wait), run the schedule, ``sync_grads`` (data
+    parallelism across replicas: timed as comm), step the optimizer. The record's ``start_s``
+    is the barrier's exit, where every stage starts the schedule together: the origin
+    ``labkit.records.finalize`` puts the step's events on. The step's data and wait come
+    before it, so the step lasts from ``start_s - data_s - wait_s`` for ``step_s``.
     """
     data = batches(shard_loader(stage.dataset, cfg.global_batch, 0, 1, seed=cfg.seed))
     part = cfg.global_batch // replicas
@@ -241,7 +251,7 @@ def train_stages(
         log.begin()
         out = step_fn(x, y)
         if sync_grads is not None:
-            with log.comm():
+            with log.comm("sync"):
                 sync_grads()
         t_sched = time.perf_counter()
         counting = i == max(cfg.warmup - 1, 0)  # one step, as the shared loop's meter does
@@ -262,6 +272,7 @@ def train_stages(
             cpu_share = out.log.cpu_s / (fwd + bwd) if ctx.device.type == "cpu" else float("nan")
         step_s, data_s, opt_s = t_end - t_start, t_data - t_start, t_end - t_sched
         wait_s, comm_s = t0 - t_data, out.log.comm_s  # the barrier: every stage starts the step
+        start = t0 + log.offset_s  # start_s: the barrier's exit, on the events' clock
         base = {
             "strategy": cfg.strategy,
             "world_size": cfg.world_size,
@@ -290,7 +301,7 @@ def train_stages(
                 out.loss,  # the batch's loss lives on the last stage; the others have none
                 part,
                 times,
-                start_s=t0 + log.offset_s,
+                start_s=start,
                 cpu_share=cpu_share,
                 device=ctx.device,
                 comm_bytes=sent["comm_bytes"],
@@ -306,6 +317,10 @@ def train_stages(
                 activation_bytes_peak=meter.peak_bytes,
                 **held,
                 events=events,
+                comm_events=[  # each blocked interval, in seconds from start_s
+                    {**c, "start": c["start"] - start, "end": c["end"] - start}
+                    for c in label_comm(events, out.log.comm_events)
+                ],
                 comm_spans=[list(span) for span in sent["spans"]],
             )
         )
@@ -316,6 +331,24 @@ def train_stages(
         "notes": notes,
         "params": _whole_names(stage, final_state(cfg, stage.module)),
     }
+
+
+def label_comm(events: list[dict], comm_events: list[dict]) -> list[dict]:
+    """Name the step's unnamed blocked intervals. A scratch schedule receives the tensor a
+    forward or backward needs just before running it, so an interval that this stage's next
+    compute event follows is that micro-batch's receive (``"recv"``, ``"for"`` the event's
+    kind: activations for F, a gradient for B); one after the last compute event is the wait
+    for the step's sends to complete (``"send"``)."""
+    compute = sorted(events, key=lambda e: e["start"])
+    out = []
+    for c in comm_events:
+        if c["kind"] is None:
+            nxt = next((e for e in compute if e["start"] >= c["end"]), None)
+            c = {**c, "kind": "send"} if nxt is None else {
+                **c, "kind": "recv", "microbatch": nxt["microbatch"], "for": nxt["kind"]
+            }  # fmt: skip
+        out.append(c)
+    return out
 
 
 def stage_memory(module, optimizer, activations: int, batch, grads: bool = False) -> dict:
