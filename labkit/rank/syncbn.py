@@ -101,7 +101,7 @@ def convert_sync_batchnorm(module: nn.Module, device_type: str = "cpu") -> nn.Mo
             module.affine,
             module.track_running_stats,
         )
-        sync.load_state_dict(module.state_dict())
+        sync.load_state_dict(module.state_dict(), assign=True)  # its dtype and device too
         sync.train(module.training)
         return sync
     for name, child in module.named_children():
