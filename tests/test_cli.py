@@ -94,28 +94,6 @@ def test_compare_prints_table_and_writes_records_and_report(tmp_path):
     assert "plotly" in html.read_text()[:5_000_000]
 
 
-def test_check_passes_for_data_parallel_strategies():
-    r = labkit("check", "--strategies", "single,dp,ddp,ddp_naive", "--world-size", "2", *SMALL)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "all strategies match single" in r.stdout
-
-
-@pytest.mark.slow
-def test_check_passes_for_the_2d_layouts_with_one_tp_flag():
-    """--tp is dp_tp's knob; dp_pp, checked beside it, drops it. Four ranks on two cores say
-    they are oversubscribed, and are exact all the same."""
-    r = labkit(
-        "check", "--strategies", "dp_tp,dp_pp", "--world-size", "4", "--tp", "2",
-        "--stages", "2", timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "all strategies match single within 1e-05" in r.stdout
-    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.strip()}
-    assert rows["dp_tp"][1] == rows["dp_pp"][1] == "4"
-    if os.cpu_count() < 4:
-        assert "note (dp_tp): 4 ranks on" in r.stdout and "oversubscribed" in r.stdout
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
