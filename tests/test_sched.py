@@ -363,8 +363,18 @@ def _children() -> set:
     }
 
 
-def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process():
+# each replayed step lasts at least this long (RunConfig.pace_s): a job of n steps runs for at
+# least n x PACE_S whatever the machine's speed, so the trace's arrivals meet it while it runs
+PACE_S = 0.05
+
+
+def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process(monkeypatch):
+    """Job 0's 80 paced steps last at least 4 s, so job 1 (high priority, arriving at 1 s)
+    always finds it running: however fast or idle the machine, the replay must evict it."""
     from labkit.sched import replay
+
+    paces, handle = [], replay._Handle  # the pace every real run was launched with
+    monkeypatch.setattr(replay, "_Handle", lambda cfg: paces.append(cfg.pace_s) or handle(cfg))
 
     cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)  # for the simulator
     trace = [
@@ -373,24 +383,26 @@ def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process():
         replay.ReplayJob(2, 1.2, 1, 10),
     ]
     before = _children()
-    report = replay.check(trace, ["priority"], calibration=cal)
+    report = replay.check(trace, ["priority"], calibration=cal, pace_s=PACE_S)
     jobs = report.real["priority"][0]
     assert all(j.finish_s is not None for j in jobs)
     # job 1 (high priority, 2 workers) arrives while job 0 runs and evicts it: a real stop, and
     # later a resume from job 0's checkpoint; the simulator makes the same decision
     assert jobs[0].restarts == 1 and jobs[0].start_s < 1.0
+    assert paces == [PACE_S] * 4  # job 0, job 1, job 0 resumed, job 2
     assert report.jobs["real_restarts"].sum() == report.jobs["sim_restarts"].sum() == 1
     assert set(report.table.columns) >= {"policy", "sim_mean_jct_s", "real_mean_jct_s", "error"}
     assert _children() - before == set()
 
 
 def test_replay_resizes_an_elastic_job_for_real():
+    """Job 0's 120 paced steps last at least 6 s: it is still running at the 1 s round."""
     from labkit.sched import replay
 
     cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)  # 2 workers gain 0.5
     trace = [replay.ReplayJob(0, 0.0, 1, 120), replay.ReplayJob(1, 1.5, 1, 10)]
     before = _children()
-    jobs, gantt = replay.execute(trace, "elastic", cal, round_s=1.0)
+    jobs, gantt = replay.execute(trace, "elastic", cal, round_s=1.0, pace_s=PACE_S)
     assert all(j.finish_s is not None for j in jobs)
     # alone at the 1 s round, job 0 grows to 2 workers: its 1-worker run is stopped and its
     # checkpoint resumed by a 2-rank ddp run

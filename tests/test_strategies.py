@@ -175,18 +175,46 @@ def test_grid_and_bad_input():
     assert math.isclose(SMALL.replace(world_size=4).batch_per_rank, 8)
 
 
+# a load the test controls: a process pinned to one core (argv[1]) that says so, then spins
+SPINNER = """
+import os, sys
+os.sched_setaffinity(0, {int(sys.argv[1])})
+print("spinning", flush=True)
+while True:
+    pass
+"""
+SPINNERS_PER_CORE = 3
+
+
 def test_a_busy_machine_is_flagged_instead_of_reported_as_speed():
+    """Three spinners on each core the ranks run on, each spinning there before the run starts,
+    and a step whose compute outlasts a scheduler's time slice (a shorter one can run whole
+    before the spinners get their turn): a rank gets about a quarter of its core, far under
+    ``BUSY_SHARE`` however fast or idle the machine is otherwise. The summary must flag the run
+    busy rather than report its speed."""
+    import os
     import subprocess
     import sys
 
-    from labkit.env import cpu_cores
+    from labkit.env import usable_cores
+    from labkit.launch import own_cores
 
-    # two spinning processes per core: each rank gets about a third of a core while computing
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("pinning the test's load to the ranks' cores needs Linux's sched_setaffinity")
+    cfg = SMALL.replace(
+        strategy="ddp", width=1024, depth=3, global_batch=256, steps=8, warmup=1, threads=1
+    )
+    placed = own_cores(cfg.world_size, cfg.threads)  # None: the OS places the ranks anywhere
+    cores = sorted({c for rank in placed for c in rank}) if placed else usable_cores()
     spinners = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cpu_cores())
+        subprocess.Popen([sys.executable, "-c", SPINNER, str(core)], stdout=subprocess.PIPE)
+        for core in cores
+        for _ in range(SPINNERS_PER_CORE)
     ]
     try:
-        df = experiment.run(SMALL.replace(strategy="ddp", width=256, steps=8)).records
+        for p in spinners:  # each one on its core and running before the ranks start
+            assert p.stdout.readline() == b"spinning\n", "a spinner did not start"
+        df = experiment.run(cfg).records
     finally:
         for p in spinners:
             p.kill()

@@ -61,8 +61,11 @@ ROUND_S = 2.0  # maxmin, ftf, elastic rounds in the replay (seconds)
 LAS_THRESHOLDS = (1.5,)  # GPU-seconds: Tiresias' queue boundary at the replay's scale
 
 
-def job_config(steps: int, workers: int, folder: str, seed: int = 0) -> RunConfig:
-    """One replay job at ``workers`` workers, resuming from ``folder``'s checkpoint if any."""
+def job_config(
+    steps: int, workers: int, folder: str, seed: int = 0, pace_s: float = 0.0
+) -> RunConfig:
+    """One replay job at ``workers`` workers, resuming from ``folder``'s checkpoint if any;
+    ``pace_s``: each step lasts at least that long (``RunConfig.pace_s``)."""
     return BASE.replace(
         strategy="single" if workers == 1 else "ddp",
         world_size=workers,
@@ -70,6 +73,7 @@ def job_config(steps: int, workers: int, folder: str, seed: int = 0) -> RunConfi
         checkpoint_dir=folder,
         checkpoint_every=1,
         seed=seed,
+        pace_s=pace_s,
     )
 
 
@@ -136,17 +140,22 @@ def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
     return wall, per_step * n, n, busy
 
 
-def calibrate(steps: int = 30, folder: str | None = None) -> Calibration:
-    """Measure the curve at 1 and 2 workers and the start-up and resume costs (~10 s)."""
+def calibrate(steps: int = 30, folder: str | None = None, pace_s: float = 0.0) -> Calibration:
+    """Measure the curve at 1 and 2 workers and the start-up and resume costs (~10 s), of jobs
+    paced at ``pace_s`` as ``execute`` paces them."""
     own = folder is None
     folder = folder or tempfile.mkdtemp(prefix="labkit-sched-cal-")
     try:
         # the first launch in a process starts labkit's forkserver (seconds): not a job's cost
         _timed_run(job_config(1, 2, os.path.join(folder, "warmup")))
+
+        def cfg(steps: int, workers: int, name: str) -> RunConfig:
+            return job_config(steps, workers, os.path.join(folder, name), pace_s=pace_s)
+
         out: dict = {}
 
         def one(i: int) -> None:
-            out[i] = _timed_run(job_config(steps, 1, os.path.join(folder, f"one{i}")))
+            out[i] = _timed_run(cfg(steps, 1, f"one{i}"))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
         for t in threads:
@@ -155,9 +164,9 @@ def calibrate(steps: int = 30, folder: str | None = None) -> Calibration:
             t.join(BASE.timeout_s + 30)
         if len(out) != 2:
             raise RuntimeError("calibration: a 1-worker run did not finish")
-        two = _timed_run(job_config(steps, 2, os.path.join(folder, "two")))
+        two = _timed_run(cfg(steps, 2, "two"))
         # resume the first 1-worker job's checkpoint for as many steps again
-        resumed = _timed_run(job_config(2 * steps, 1, os.path.join(folder, "one0")))
+        resumed = _timed_run(cfg(2 * steps, 1, "one0"))
         rate1 = statistics.mean(n / s for _, s, n, _ in out.values())
         fixed1 = statistics.mean(w - s for w, s, _, _ in out.values())
         extra = max(0.0, (resumed[0] - resumed[1]) - fixed1)
@@ -256,9 +265,13 @@ def execute(
     log: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
     round_s: float = ROUND_S,
+    pace_s: float = 0.0,
 ):
     """Run ``trace`` for real under ``policy``; returns the jobs (with real start, finish,
-    restarts) and the real allocation segments."""
+    restarts) and the real allocation segments. ``pace_s``: each step lasts at least that long
+    (``RunConfig.pace_s``), so a job of n steps is still running n x pace_s after it starts
+    however fast the machine computes: a trace's arrivals then land while the jobs they should
+    meet are running, which is what a test of preemption or resizing needs."""
     pol = make_policy(policy, round_s=round_s, thresholds=LAS_THRESHOLDS)
     own = folder is None
     folder = folder or tempfile.mkdtemp(prefix=f"labkit-sched-{pol.name}-")
@@ -288,7 +301,8 @@ def execute(
             s.started, s.job.start_s = True, now()
         s.alloc, s.seg_start = k, now()
         free -= k
-        handles[jid] = _Handle(job_config(steps[jid], k, os.path.join(folder, f"job{jid}")))
+        folder_j = os.path.join(folder, f"job{jid}")
+        handles[jid] = _Handle(job_config(steps[jid], k, folder_j, pace_s=pace_s))
 
     def stop(s: _State) -> None:
         nonlocal free
@@ -455,27 +469,29 @@ def check(
     log: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
     recalibrate: bool = False,
+    pace_s: float = 0.0,
     **trace_options,
 ) -> ReplayReport:
     """Calibrate (unless given), replay ``n`` jobs (or your trace) under each policy for real,
     simulate the same, and compare. ``recalibrate``: measure again before every policy (on a
-    machine whose other load changes, one calibration goes stale within minutes)."""
+    machine whose other load changes, one calibration goes stale within minutes). ``pace_s``:
+    each step lasts at least that long, in the calibration and the replay (``execute``)."""
     for p in policies:
         make_policy(p)  # a bad name fails before anything runs
     trace = list(n) if not isinstance(n, int) else small_trace(n, seed, **trace_options)
     if calibration is None:
         if log:
             log("calibrating: 1 and 2 workers, start-up and resume ...")
-        calibration = calibrate()
+        calibration = calibrate(pace_s=pace_s)
     rows, per_job, real, simulated = [], [], {}, {}
     for i, p in enumerate(policies):
         if recalibrate and i:
             if log:
                 log("calibrating again ...")
-            calibration = calibrate()
+            calibration = calibrate(pace_s=pace_s)
         if log:
             log(f"replaying {len(trace)} jobs under {p} ...")
-        jobs, gantt = execute(trace, p, calibration, log=log, cancel=cancel)
+        jobs, gantt = execute(trace, p, calibration, log=log, cancel=cancel, pace_s=pace_s)
         real[p] = (jobs, gantt)
         sim_jobs = [
             calibration.job(j.job_id, j.arrival_s, j.workers, j.steps, j.priority) for j in trace
