@@ -467,7 +467,7 @@ def test_cleanup_counts_a_zombie_as_gone_instead_of_waiting_out_its_grace():
         assert worker.status() == psutil.STATUS_ZOMBIE  # killed, not reaped by its parent
         t0 = time.monotonic()
         assert _wait_gone([worker], 5.0) == []
-        assert time.monotonic() - t0 < 1
+        assert time.monotonic() - t0 < 2.5  # half the grace: a wait for the zombie takes 5 s
     finally:
         agent.kill()
         agent.wait()

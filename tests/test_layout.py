@@ -217,15 +217,17 @@ def test_advisor_tflops_within_the_stated_factor_of_published(sc21):
 
 
 def test_plan_is_fast_for_the_largest_rows():
+    """A guard against a search that grows out of hand (about 0.02 s of CPU), not a speed goal:
+    CPU time, so a loaded machine's waits do not count."""
     import time
 
     row = layout.SC21[-1]
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     layout.plan(
         layers=row.layers, hidden=row.hidden, heads=row.heads, seq=row.seq, vocab=row.vocab,
         gpus=row.gpus, global_batch=row.global_batch,
     )  # fmt: skip
-    assert time.perf_counter() - t0 < 0.5
+    assert time.process_time() - t0 < 2.0
 
 
 # ---- the command --------------------------------------------------------------------------------
