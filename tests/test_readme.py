@@ -120,7 +120,7 @@ PYTHON = {
     "labkit.env_probe()": ([("steps=50", "steps=5")], ""),
     "comm.benchmark(": ([('sizes="1KiB-16MiB"', 'sizes="1KiB-16KiB"')], ""),
     'rebalance="dynamic"': ([], ""),
-    "labkit.memory.measure(": ([], ""),
+    "memory.measure(": ([], ""),
     "sync_async.sweep(": ([("steps=60", "steps=16")], ""),
     "ElasticJob(": (
         [
@@ -130,7 +130,7 @@ PYTHON = {
         ],
         "",
     ),
-    "from labkit.sched import": (
+    "from labkit.labs.sched import": (
         [
             ("generate(600,", "generate(60,"),
             ('replay.check(6, ["fifo", "las"])', 'replay.check(3, ["fifo"])'),
@@ -265,6 +265,8 @@ def torchrun_argv(command: str, port: int, home: Path) -> tuple[list[str], dict,
     nodes = int(nnodes.split(":")[0])
     words[words.index("--nproc-per-node") + 1] = "1"
     argv = [PY, "-m", "torch.distributed.run", *words[1:], "--steps", "6"]
+    if ":" in nnodes and "--rdzv-conf" not in argv:  # a range of nodes: 1 s for more to join
+        argv[3:3] = ["--rdzv-conf", "last_call_timeout=1"]  # (torchrun's default is 30 s)
     if "--checkpoint-every" in argv:
         argv += ["--checkpoint-every", "2"]
     if "--global-batch" in argv:
