@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import comm
+from labkit.labs import comm
 
 GOAL = 0.10
 

@@ -2,7 +2,7 @@
 
     python benchmarks/elastic.py [--pace 0.02] [--checkpoint-every 10] [--quick] [--json PATH]
 
-One torchrun job (``labkit.elastic.ElasticJob``, ddp, ``--nnodes 1:2``, ``--max-restarts 3``,
+One torchrun job (``labkit.labs.elastic.ElasticJob``, ddp, ``--nnodes 1:2``, ``--max-restarts 3``,
 agents on loopback) trains a small MLP: one node starts; after 20 steps a second joins; after 20
 steps at world size 2 one worker is SIGKILLed; 20 steps after the restart the second node leaves;
 20 steps later the first is stopped (SIGTERM). ``--quick``: 6 steps per phase, a checkpoint
@@ -24,7 +24,7 @@ import sys
 import pandas as pd
 
 from labkit import RunConfig, experiment
-from labkit.elastic import ElasticJob, changes
+from labkit.labs.elastic import ElasticJob, changes
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,8 @@ import json
 import statistics
 import sys
 
-from labkit import RunConfig, comm, experiment, profile
+from labkit import RunConfig, experiment
+from labkit.labs import comm, compute_profile
 from labkit.predict import collectives
 from labkit.records import summarize
 
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
             busy[strategy, name].append(bool(row["busy"]))
     bench, _ = comm.benchmark(world_size=2, ops=["all_reduce"], sizes="4KiB-4MiB")
     network = collectives.fit_table(bench.to_dict("records"), world_size=2)
-    prof = profile.measure(base)
+    prof = compute_profile.measure(base)
     from labkit.predict.step import predict_balance
 
     rows = []

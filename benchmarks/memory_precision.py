@@ -5,8 +5,8 @@
 One process (``single`` on all cores), an MLP of ``--width`` x ``--depth`` at ``--global-batch``.
 Each round runs fp32 then bf16 back to back (interleaved, so a busy machine slows both alike);
 the median over rounds of each run's median step time is compared, and the counted bytes
-(``labkit.memory``: activations, and all five categories) of the two. A second pair compares the
-CNN with and without activation checkpointing: backward time and activation bytes.
+(``labkit.labs.memory``: activations, and all five categories) of the two. A second pair
+compares the CNN with and without activation checkpointing: backward time and activation bytes.
 
 On CPU, bf16 pays off only where the cores have bf16 matrix instructions (AVX512-BF16, which
 this project's machine has, or AMX); elsewhere the casts cost more than the matmuls gain. The memory

@@ -3,7 +3,8 @@ pipeline bubble.
 
 1. Step time (issue 10's goal: <= 15 % error for ddp and ddp_naive at world size 2, on the
    default MLP and at width 1024). The network model is fitted on this run's all-reduce
-   timings, the compute profile measured on concurrent ranks (``labkit.profile``), the step
+   timings, the compute profile measured on concurrent ranks
+   (``labkit.labs.compute_profile``), the step
    predicted by ``labkit.predict.step`` and set beside the measured median step (slowest rank)
    with ``comm.knob_rows``, the same rows notebook 03 shows: the medians of ``--rounds``
    rounds (fit, profile, run), with the fastest and slowest run beside them.
@@ -26,7 +27,8 @@ import sys
 
 import pandas as pd
 
-from labkit import RunConfig, comm, experiment, profile, timeline
+from labkit import RunConfig, experiment
+from labkit.labs import comm, compute_profile, pipeline_bubble
 from labkit.predict import collectives
 from labkit.records import BUSY_SHARE, cpu_share
 
@@ -52,7 +54,7 @@ def step_rows(quick: bool, rounds: int) -> pd.DataFrame:
         table, _ = comm.benchmark(2, ["all_reduce"], sizes, repeats=3 if quick else 15)
         network = collectives.fit_table(table.to_dict("records"), 2)
         for name, cfg in models:
-            prof = profile.measure(cfg)
+            prof = compute_profile.measure(cfg)
             runs = [experiment.run(cfg.replace(strategy=s)) for s in ("ddp", "ddp_naive")]
             rows.append(comm.knob_rows(runs, prof, network).assign(model=name, round=r))
     per_run = pd.concat(rows, ignore_index=True)
@@ -70,7 +72,7 @@ def step_rows(quick: bool, rounds: int) -> pd.DataFrame:
 
 def bubble_rows(quick: bool) -> pd.DataFrame:
     """Per size and M: the bubble measured, predicted from the runs at the smallest and largest
-    M (``timeline.bubble_table``: out of sample), and the closed form."""
+    M (``pipeline_bubble.bubble_table``: out of sample), and the closed form."""
     tables = []
     sizes = (("defaults", dict()), ("width 1024, batch 1024", dict(width=1024, global_batch=1024)))
     for name, size in sizes:
@@ -86,7 +88,7 @@ def bubble_rows(quick: bool) -> pd.DataFrame:
             )
             runs.append(experiment.run(cfg).records)
         records = pd.concat(runs, ignore_index=True)
-        table = timeline.bubble_table(records, min_cpu_share=None)
+        table = pipeline_bubble.bubble_table(records, min_cpu_share=None)
         share = records.groupby("microbatches").apply(cpu_share)
         table["cpu_share"] = table["microbatches"].map(share)
         table["busy"] = table["cpu_share"] < BUSY_SHARE

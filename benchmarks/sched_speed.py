@@ -1,7 +1,7 @@
 """How fast the scheduling simulator is: 10,000 jobs on a 1,024-GPU cluster, every policy, at
 two offered loads.
 
-The trace is the Philly-like mix (``labkit.sched.traces``), curves "good" and "poor" in equal
+The trace is the Philly-like mix (``labkit.labs.sched.traces``), curves "good" and "poor" in equal
 parts, at 80 % offered load (``rate_for_load``: no job ever waits long, every policy gives
 nearly the same mean JCT) and at 120 % (jobs queue: the round-based policies re-rank hundreds of
 waiting jobs every round and rotate GPUs among them, the costly case). Goal: <= 3 s of CPU per
@@ -20,8 +20,8 @@ import json
 import statistics
 import time
 
-from labkit.sched import sim, traces
-from labkit.sched.policies import POLICIES
+from labkit.labs.sched import sim, traces
+from labkit.labs.sched.policies import POLICIES
 
 GOAL_S = 3.0
 

@@ -8,7 +8,7 @@ modes of notebook 06: ddp, local_sgd (H=4), diloco (H=4), async_ps (a server + 2
 hogwild, each once without and once with rank 1 computing ``--straggler`` times slower. Each
 round runs all ten configurations back to back (interleaved, so a busy spell hits every mode).
 The target is 60 % of the way from the first smoothed loss to where DDP without a straggler
-ended (``labkit.sync_async.default_target``, on the first round). Per mode and condition the
+ended (``labkit.labs.sync_async.default_target``, on the first round). Per mode and condition the
 median over rounds of: updates, samples, seconds and bytes to the target, samples per second,
 and whether any rank was starved of CPU (busy). The last line: the asynchronous parameter
 server's seconds to target over DDP's, under the straggler (below 1: async wins on wall time).
@@ -24,7 +24,8 @@ import sys
 
 import pandas as pd
 
-from labkit import RunConfig, experiment, sync_async
+from labkit import RunConfig, experiment
+from labkit.labs import sync_async
 from labkit.registry import SYNC_ASYNC
 
 COLUMNS = (

@@ -1,6 +1,6 @@
 """Start the rank factory early: the forkserver that ``labkit.launch`` forks ranks from.
 
-The forkserver is a fresh interpreter that imports torch once (~2 s here), so that every later
+The forkserver is a fresh interpreter that imports torch once, so that every later
 launch forks ranks in milliseconds. In a Jupyter kernel, ``import labkit`` starts it before it
 imports torch itself, so the server's import runs beside the kernel's on another core and the
 first launch finds it ready. This module imports nothing heavy, on purpose.
@@ -16,8 +16,8 @@ import sys
 # What the forkserver imports before it forks any rank, in order: this module first (through
 # labkit/__init__, which imports it before anything heavy), so the collector is off before torch
 # comes in; the last one freezes the heap it built. torch._dynamo is what the first torch.optim
-# optimizer imports (with sympy): ~2.4 s that every rank of every run paid when it was imported
-# after the fork.
+# optimizer imports (with sympy): imported after the fork, every rank of every run would pay
+# for it.
 PRELOAD = [
     "labkit._prewarm",
     "torch",
@@ -41,9 +41,9 @@ _OWNER = "LABKIT_FORKSERVER_OWNER"
 _PRELOADING = "LABKIT_FORKSERVER_PRELOADING"
 
 # In the forkserver, while it preloads: the imports create ~10^6 objects and the collections
-# they trigger free none of them; they cost 0.3-0.8 s of a 2.4-3.3 s preload here (torch and
-# torch._dynamo imported with gc on and off, four times each). _forkserver_init, the last
-# import, freezes the heap and turns collection back on.
+# they trigger free none of them, yet cost a good share of the preload (benchmarks/README.md,
+# "Behind the code"). _forkserver_init, the last import, freezes the heap and turns collection
+# back on.
 if os.environ.pop(_PRELOADING, None) == "1" and "multiprocessing.forkserver" in sys.modules:
     gc.disable()
 

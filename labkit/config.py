@@ -87,13 +87,13 @@ class RunConfig:
                           "throughput; join: uneven inputs under Join", REBALANCE)  # fmt: skip
     rebalance_every: int = knob(4, "rebalance dynamic: measured steps between share updates")
 
-    # ---- equivalence and your own model (labkit.equivalence, labkit.factories)
+    # ---- equivalence and your own model (labkit.labs.equivalence, labkit.factories)
     sync_batchnorm: bool = knob(False, "batch statistics over the global batch (SyncBatchNorm)")
     deterministic: bool = knob(False, "check mode: deterministic kernels, no TF32, return the "
                                "final state")  # fmt: skip
     timeout_s: float = knob(300.0, "seconds a launch (and every collective) may take")
 
-    # ---- saved runs and elasticity (labkit.rank.resume, labkit.elastic, notebook 07)
+    # ---- saved runs and elasticity (labkit.rank.resume, labkit.labs.elastic, notebook 07)
     checkpoint_dir: str | None = knob(None, "resume from the checkpoint in this folder, and "
                                       "write one there")  # fmt: skip
     checkpoint_every: int = knob(0, "optimizer steps between checkpoints (0: after the last)")
@@ -283,7 +283,8 @@ class RunConfig:
         if self.rebalance == "join" and self.strategy != "ddp_naive":
             raise ValueError(
                 f"rebalance='join' trains uneven inputs under a hand-written Joinable, which "
-                f"ddp_naive has (DDP's own join() is shown by labkit.uneven.uneven_inputs): set "
+                f"ddp_naive has (DDP's own join() is shown by labkit.labs.uneven.uneven_inputs): "
+                f"set "
                 f"strategy='ddp_naive' (got {self.strategy!r}) or rebalance='static'/'dynamic'"
             )
         if self.accumulate != 1:

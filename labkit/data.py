@@ -64,7 +64,7 @@ class SyntheticImages(Dataset):
 
 def image_transform():
     # v2 works on tensors directly: uint8 -> float in [0, 1] -> roughly zero-mean. Imported here:
-    # torchvision costs ~2 s to import, and only the image models need it.
+    # torchvision is slow to import, and only the image models need it.
     from torchvision.transforms import v2
 
     return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5], [0.5])])

@@ -24,8 +24,19 @@ from .env import default_backend, resolve_device
 from .wire import watch
 
 # one collective each, named *_single from torch 2.14 and *_into_tensor / *_tensor before it
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_single(out, x, group=None, async_op=False):
+    """``out`` = every rank's ``x`` concatenated along dim 0 (looked up per call: a wrapper a
+    test or a profiler puts on ``torch.distributed`` sees it)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out, x, group=None, async_op=False):
+    """``out`` = this rank's slice along dim 0 of the sum of every rank's ``x``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, x, group=group, async_op=async_op)
 
 
 def _no_report(**metrics) -> None:
@@ -52,6 +63,11 @@ class RankContext:
     @property
     def distributed(self) -> bool:
         return self.backend is not None and dist.is_available() and dist.is_initialized()
+
+    @property
+    def device_ids(self) -> list[int] | None:
+        """What DDP's ``device_ids`` takes: this rank's GPU, or None for a CPU rank."""
+        return [self.device.index] if self.device.type == "cuda" else None
 
 
 def local_context(device: str = "auto", report: Callable[..., None] = _no_report) -> RankContext:
@@ -149,7 +165,7 @@ def session(
     finally:
         # DDP's reducer sits in reference cycles that keep the group's gloo work (and tensors)
         # alive until the interpreter shuts down, where freeing them aborts the process
-        # ("terminate called without an active exception", ~1 torchrun run in 15; pytorch#179291).
+        # ("terminate called without an active exception"; pytorch#179291).
         # Collect while Python is still fully alive, then destroy.
         gc.collect()
         cleanup()
@@ -163,7 +179,7 @@ def agent_store(world_size: int, timeout_s: float) -> dist.Store | None:
     After a worker dies and the agent restarts the group, the new ranks publish their addresses
     under the same keys the dead ones used; a rank that reads a peer's key before the peer has
     rewritten it connects to a closed port (gloo: "connectFullMesh failed ... Connection
-    refused": 4 of 7 restarts when it was reported, 1 of 2 here; 0 of 5 with these keys). On
+    refused"; how often: benchmarks/README.md, "Behind the code"). On
     one node every worker of an attempt has the same restart count; across nodes the counts can
     differ (only the failed node's agent counts the restart), so ``refuse_shared_store_restarts``
     stops that case."""
@@ -320,8 +336,7 @@ def broadcast_parameters(model: torch.nn.Module, src: int = 0) -> None:
 
 def all_reduce_flat(tensors: list[torch.Tensor], group=None) -> None:
     """Sum each tensor over the ranks of ``group`` (default: all) in place, all of them in one
-    message, as one DDP bucket does: one latency for the lot instead of one per tensor (gloo's
-    ~1 ms each on a busy CPU)."""
+    message, as one DDP bucket does: one latency for the lot instead of one per tensor."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0

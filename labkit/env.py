@@ -223,7 +223,7 @@ def matmul_flops_per_s(device: str = "cpu", dtype: torch.dtype = torch.float32) 
 @cache
 def fp16_supported(device_type: str) -> bool:
     """Does this torch run fp16 autocast and a GradScaler on ``device_type``? (Tried, not
-    assumed: torch 2.14.1 does on CPU; older releases raised.)"""
+    assumed: some torch releases raise on CPU.)"""
     if device_type == "cuda":
         return torch.cuda.is_available()
     try:

@@ -2,7 +2,7 @@
 
 Data flows one way: RunConfig -> ``launch`` -> every rank runs its strategy -> per-rank records
 (``labkit.records.from_ranks``) -> tables and charts (``labkit.records``, ``labkit.plots``).
-Whether a strategy computes what single-device training computes is ``labkit.equivalence``.
+Whether a strategy computes what single-device training computes is ``labkit.labs.equivalence``.
 """
 
 from __future__ import annotations

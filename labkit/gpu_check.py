@@ -203,7 +203,7 @@ def strategy_row(strategy: str) -> Callable[[Target, int], str]:
 
 def equivalence_row(strategy: str) -> Callable[[Target, int], str]:
     def fn(target: Target, world_size: int) -> str:
-        from .equivalence import check
+        from .labs.equivalence import check
 
         table = check(config(target, "ddp", world_size), [strategy], world_size, steps=3)
         row = table.iloc[0]
@@ -324,29 +324,35 @@ def peak_row(target: Target, world_size: int) -> str:
     )
 
 
+def _spin(cycles: int) -> None:
+    """One GPU kernel that spins ``cycles`` clock cycles: torch's private ``torch.cuda._sleep``
+    (written for torch 2.14)."""
+    torch.cuda._sleep(cycles)
+
+
 def sleep_under_probe(ctx, seconds: float = 0.05) -> dict:
     """On a rank: one GPU kernel of ``seconds``, timed by a StepProbe (CUDA events), by the wall
     clock around it synchronised, and by the wall clock without synchronising (the launch)."""
     from .rank.probes import StepProbe
 
     dev = ctx.device
-    torch.cuda._sleep(1000)  # first launch pays for the context
+    _spin(1000)  # first launch pays for the context
     torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
-    torch.cuda._sleep(10**7)
+    _spin(10**7)
     torch.cuda.synchronize(dev)
     cycles = int(10**7 * seconds / (time.perf_counter() - t0))
     t0 = time.perf_counter()
-    torch.cuda._sleep(cycles)
+    _spin(cycles)
     torch.cuda.synchronize(dev)
     wall = time.perf_counter() - t0
     probe = StepProbe(dev)
     probe.start()
     t0 = time.perf_counter()
-    torch.cuda._sleep(cycles)
+    _spin(cycles)
     launch_s = time.perf_counter() - t0
     probe.mark("forward")
-    rec = probe.finish(0, 0.0, 0)
+    rec = probe.finish()
     return {"wall_s": wall, "launch_s": launch_s, "forward_s": rec["forward_s"]}
 
 

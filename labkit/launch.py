@@ -51,6 +51,8 @@ __all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "LaunchCancell
 
 _STOP_GRACE_S = 2.0
 _ROOT_CAUSE_WAIT_S = 0.5
+_STACKS_WAIT_S = 2.0  # the most a timeout waits for the ranks' stacks
+_STACKS_POLL_S = 0.01
 
 
 class LaunchError(RuntimeError):
@@ -449,13 +451,27 @@ def _pack(fn, args, kwargs) -> bytes:
 
 
 def _dump_stacks(procs, ranks, dumps) -> dict[int, str]:
+    """Where each of ``ranks`` is: SIGUSR1 makes faulthandler write the rank's stack into its
+    dump file from inside the signal handler, so a rank stuck in C code answers too. Wait until
+    every asked rank's dump is written (not empty, and no longer growing), the rank is gone, or
+    ``_STACKS_WAIT_S`` has passed."""
+    asked = []
     for r in ranks:
         if procs[r].is_alive() and hasattr(signal, "SIGUSR1"):
             try:
                 os.kill(procs[r].pid, signal.SIGUSR1)
+                asked.append(r)
             except ProcessLookupError:
                 pass
-    time.sleep(0.3)
+    sizes: dict[int, int] = {}
+    deadline = time.monotonic() + _STACKS_WAIT_S
+    while asked and time.monotonic() < deadline:
+        time.sleep(_STACKS_POLL_S)
+        for r in list(asked):
+            size = os.path.getsize(dumps[r]) if os.path.exists(dumps[r]) else 0
+            if (size and size == sizes.get(r)) or not procs[r].is_alive():
+                asked.remove(r)
+            sizes[r] = size
     stacks = {}
     for r in ranks:
         try:
@@ -469,7 +485,7 @@ def _dump_stacks(procs, ranks, dumps) -> dict[int, str]:
 def _kill_and_reap(procs) -> None:
     """SIGKILL every rank now and wait for their exits on a background thread: a rank forked
     from the preloaded forkserver takes ~15 ms to unmap its memory, which the caller, holding
-    every result, need not wait for (it was a fifth of a warm launch)."""
+    every result, need not wait for."""
     for p in procs:
         if p.exitcode is None:
             p.kill()

@@ -175,7 +175,8 @@ def explain(table: pd.DataFrame) -> str:
                 f"{row['run']}: each stage idled {_pct(row['bubble_fraction'])} of the step; the "
                 f"schedule replayed on each step's own measured stage times, hand-offs and "
                 f"dispatch gives {_pct(row['bubble_replay'])} (a replay, not a prediction: "
-                f"labkit.timeline.bubble_table predicts from other runs), the closed form "
+                f"labkit.labs.pipeline_bubble.bubble_table predicts from other runs), "
+                f"the closed form "
                 f"(P-1)/(M+P-1) {_pct(row['bubble_theory'])} (it counts hand-offs as free)."
             )
             continue

@@ -24,6 +24,7 @@ completed, read from its future on the ``perf_counter`` clock every record uses)
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,11 +34,27 @@ import torch.distributed as dist
 
 from .predict.collectives import coefficients
 
-try:  # the process-group hooks of torch 2.14; an older torch trains, and counts nothing (NaN)
-    from torch._C._distributed_c10d import HookOpName
-except ImportError:
-    HookOpName = None
-COUNTING = HookOpName is not None and hasattr(dist.ProcessGroup, "register_pre_hook")
+
+def _hook_op_names():
+    """The operation names a process-group hook is handed: torch's ``HookOpName``, private (in
+    ``torch._C._distributed_c10d``; written for torch 2.14, whose ``ProcessGroup`` has the hooks).
+    None on a torch without them: it trains, and counts nothing (NaN, never 0)."""
+    try:
+        from torch._C._distributed_c10d import HookOpName
+    except ImportError:
+        return None
+    return HookOpName if hasattr(dist.ProcessGroup, "register_pre_hook") else None
+
+
+def _process_groups() -> list:
+    """Every process group this process has made: torch's private registry of them
+    (``distributed_c10d._world.pg_map``, written for torch 2.14); the world where it is gone."""
+    groups = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
+    return list(groups) if groups else [dist.group.WORLD]
+
+
+HookOpName = _hook_op_names()
+COUNTING = HookOpName is not None
 WHY_NOT = "" if COUNTING else f"torch {torch.__version__} has no process-group hooks (2.14 has)"
 
 # the alpha-beta model's name for each operation (a reduce to one root, a gather, a scatter and
@@ -64,30 +81,20 @@ HOOK_ID = 0x1AB  # one id per group: watching a group twice replaces, never doub
 @dataclass
 class Traffic:
     """Operations, payload and bytes sent since the last ``take()``; with ``timing`` on, the
-    interval each collective was in flight."""
+    interval each collective was in flight.
+
+    A timed collective's interval ends in a completion callback on the backend's thread, which
+    only puts it on a queue (``queue.SimpleQueue``: no Python lock, no condition), so the
+    callback costs the backend's thread as little as it can; ``take`` collects them."""
 
     calls: int = 0
     payload: int = 0
     sent: float = 0.0
     untimed: int = 0  # operations whose interval in flight is unknown (gloo's point to point)
-    pending: int = 0  # timed operations whose completion callback has not run yet
+    issued: int = 0  # timed operations since the last take: each puts one interval on _done
     timing: bool = False
-    spans: list[tuple[str, float, float, int]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _settled: threading.Event = field(default_factory=threading.Event, repr=False)
-
-    def add(self, op: str, payload: int, sent: float) -> None:
-        with self._lock:  # the autograd thread (DDP's reducer) issues collectives too
-            self.calls += 1
-            self.payload += payload
-            self.sent += sent
-
-    def span(self, op: str, start: float, end: float, payload: int) -> None:
-        with self._lock:  # completion callbacks run on the backend's threads
-            self.spans.append((op, start, end, payload))
-            self.pending = max(0, self.pending - 1)
-            if not self.pending:
-                self._settled.set()
+    _done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
 
     def take(self, settle_s: float = 0.05) -> dict:
         """What happened since the last call, then count afresh: ``comm_calls``,
@@ -96,15 +103,9 @@ class Traffic:
         intervals), ``comm_untimed`` (operations that were not timed) and the intervals
         themselves (``spans``: op, start, end, payload). A collective that completed (DDP
         waits for its buckets before backward returns) may still have its completion callback
-        queued on the backend's thread: wait up to ``settle_s`` for those."""
-        if self.pending:  # released the moment the last callback runs (no polling)
-            self._settled.wait(settle_s)
+        queued on the backend's thread: wait up to ``settle_s`` in all for those."""
         with self._lock:
-            spans, self.spans, self.pending = (
-                self.spans,
-                [],
-                0,
-            )  # a lost callback: not waited on again
+            issued, self.issued = self.issued, 0
             out = {
                 "comm_calls": self.calls,
                 "comm_payload_bytes": self.payload,
@@ -114,6 +115,17 @@ class Traffic:
             if not COUNTING:  # unknown, not zero
                 out = dict.fromkeys(out, float("nan"))
             self.calls, self.payload, self.sent, self.untimed = 0, 0, 0.0, 0
+        spans, deadline = [], None
+        for _ in range(issued):  # released the moment each callback runs (no polling)
+            try:
+                spans.append(self._done.get_nowait())
+                continue
+            except queue.Empty:
+                deadline = deadline or time.perf_counter() + settle_s
+            try:
+                spans.append(self._done.get(timeout=max(0.0, deadline - time.perf_counter())))
+            except queue.Empty:  # a lost callback: not waited on again
+                break
         busy, end = 0.0, float("-inf")
         for _, a, b, _ in sorted(spans, key=lambda s: s[1]):
             busy += max(0.0, b - max(a, end))
@@ -131,6 +143,11 @@ def traffic() -> Traffic:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _payload(tensors: list[torch.Tensor]) -> int:
+    """``_nbytes`` of the tensors a collective is handed (most often one)."""
+    return tensors[0].nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
 
 
 def sent(args, payload: int, n: int, me: int) -> float:
@@ -158,35 +175,48 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
     if not COUNTING:
         return
     pg = group if group is not None else dist.group.WORLD
-    n, issued = pg.size(), {}
+    n, me, started, done, lock = pg.size(), pg.rank(), {}, _TRAFFIC._done.put, _TRAFFIC._lock
+    # The hooks run inside every collective (DDP's: inside backward), so they do as little as
+    # they can: operations keyed by their value (hashing torch's enum is a call into C++ each
+    # time), and the share of the payload an all-reduce or reduce-scatter puts on the wire
+    # worked out once per group (``sent`` says the same for every operation)
+    ops = {int(name): op for name, op in _OPS.items()}
+    shares = {
+        int(name): coefficients(_OPS[name], n)[1]
+        for name in (HookOpName.ALLREDUCE, HookOpName.REDUCE_SCATTER)
+    }
+    recv = int(HookOpName.RECV)
 
     def pre(args) -> None:
-        op = _OPS.get(args.name)
+        kind = int(args.name)
+        op = ops.get(kind)
         if op is None:  # barrier, split: no payload
             return
-        payload = 0 if args.name == HookOpName.RECV else _nbytes(args.input_tensors)
-        _TRAFFIC.add(op, payload, sent(args, payload, n, pg.rank()))
+        payload = 0 if kind == recv else _payload(args.input_tensors)
+        share = shares.get(kind)
+        on_wire = sent(args, payload, n, me) if share is None else share * payload
+        with lock:  # the autograd thread (DDP's reducer) issues collectives too
+            _TRAFFIC.calls += 1
+            _TRAFFIC.payload += payload
+            _TRAFFIC.sent += on_wire
         if _TRAFFIC.timing:
-            issued[args.op_id] = (op, time.perf_counter(), payload)
+            started[args.op_id] = (op, time.perf_counter(), payload)
 
     def post(args) -> None:
-        start = issued.pop(args.op_id, None)
+        start = started.pop(args.op_id, None)
         if start is None:
             return
         op, t0, payload = start
         try:
             future = args.work.get_future()
         except (RuntimeError, AttributeError):  # gloo's point-to-point work has no future
-            _TRAFFIC.untimed += 1
+            with _TRAFFIC._lock:
+                _TRAFFIC.untimed += 1
             return
-
-        def done(fut):
-            _TRAFFIC.span(op, t0, time.perf_counter(), payload)
-
         with _TRAFFIC._lock:
-            _TRAFFIC.pending += 1
-            _TRAFFIC._settled.clear()
-        future.then(done)
+            _TRAFFIC.issued += 1
+        # on the backend's thread when it completes: read the clock, queue the interval
+        future.add_done_callback(lambda fut: done((op, t0, time.perf_counter(), payload)))
 
     pg.register_pre_hook(HOOK_ID, pre)
     pg.register_post_hook(HOOK_ID, post)
@@ -195,8 +225,7 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
 def watch_all() -> None:
     """``watch`` every process group this process has made (the world, DDP's, a device mesh's,
     an averager's): called by the training loop once the strategy has built its groups."""
-    groups = getattr(dist.distributed_c10d._world, "pg_map", None) or {dist.group.WORLD: None}
-    for pg in list(groups):
+    for pg in _process_groups():
         watch(pg)
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import labkit
-from labkit import RunConfig, cost_split, equivalence, experiment, records, shares, uneven
+from labkit import RunConfig, experiment, records, shares
+from labkit.labs import cost_split, equivalence, uneven
 from labkit.predict import step
 from labkit.predict.collectives import AlphaBeta, CollectiveModel
 

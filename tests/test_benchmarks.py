@@ -159,7 +159,7 @@ def test_comm_drift_quick(tmp_path):
 
 @pytest.mark.slow
 def test_sched_speed_quick(tmp_path):
-    from labkit.sched.policies import POLICIES
+    from labkit.labs.sched.policies import POLICIES
 
     lines = run_bench("sched_speed.py", tmp_path / "sched.json")
     for policy in POLICIES:  # seconds, events, mean JCT (h), utilisation

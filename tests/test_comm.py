@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, comm, equivalence, experiment, profile
+from labkit import RunConfig, experiment
+from labkit.labs import comm, compute_profile, equivalence
 from labkit.launch import launch
 from labkit.predict import collectives, step
 from labkit.predict.collectives import AlphaBeta, CollectiveModel
@@ -212,7 +213,7 @@ def test_predictor_against_a_real_world_size_2_run():
     table, _ = comm.benchmark(2, ["all_reduce"], "1KiB-16MiB", repeats=10)
     net = collectives.fit_table(table.to_dict("records"), 2)
     cfg = RunConfig(strategy="ddp", world_size=2, steps=8, global_batch=256, width=1024)
-    prof = profile.measure(cfg)
+    prof = compute_profile.measure(cfg)
     assert prof.batch == 128 and len(prof.layers) == 5 and prof.grad_bytes > 0
     for strategy in ("ddp", "ddp_naive"):
         t = summarize(experiment.run(cfg.replace(strategy=strategy)).records).iloc[0]

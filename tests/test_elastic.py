@@ -18,7 +18,7 @@ from torch import nn
 
 from labkit import experiment
 from labkit.config import RunConfig
-from labkit.elastic import ElasticError, ElasticJob, changes, check_nnodes, free_port
+from labkit.labs.elastic import ElasticError, ElasticJob, changes, check_nnodes, free_port
 from labkit.rank import resume
 
 PY = sys.executable
@@ -446,7 +446,7 @@ def test_cleanup_counts_a_zombie_as_gone_instead_of_waiting_out_its_grace():
     # A worker killed while its parent (torchrun's agent, here a stand-in) does not reap it stays
     # a zombie: its pid exists until the parent goes. psutil.wait_procs waits out the whole
     # grace period on it (a Stop took 1.2 s with a 0.5 s grace); close() must not.
-    from labkit.elastic import _wait_gone
+    from labkit.labs.elastic import _wait_gone
 
     agent = subprocess.Popen(
         [

@@ -9,9 +9,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from labkit import RunConfig, equivalence
+from labkit import RunConfig
 from labkit.cli import main
-from labkit.equivalence import batch_stat_layers, random_layers, without_dropout
+from labkit.labs import equivalence
+from labkit.labs.equivalence import batch_stat_layers, random_layers, without_dropout
 from tests.helpers.models import centred_mlp
 
 BASE = RunConfig(strategy="ddp", world_size=2, global_batch=32, dataset_size=128, timeout_s=180)

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit import RunConfig, equivalence, experiment
+from labkit import RunConfig, experiment
+from labkit.labs import equivalence
 
 SMALL = RunConfig(
     strategy="ddp",

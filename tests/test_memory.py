@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, env, equivalence, experiment, memory
+from labkit import RunConfig, env, experiment
 from labkit.cli import build_parser
 from labkit.env import fp16_supported
 from labkit.flags import config_from_args
-from labkit.memory import calculator_error
+from labkit.labs import equivalence, memory
+from labkit.labs.memory import calculator_error
 from labkit.models import checkpoint_blocks, cnn, make_model
 from labkit.predict.memory import activation_bytes, shard_numels, transformer
 from labkit.rank import precision

@@ -11,7 +11,8 @@ import math
 import pytest
 from torch import nn
 
-from labkit import RunConfig, experiment, memory
+from labkit import RunConfig, experiment
+from labkit.labs import memory
 from labkit.predict.memory import (
     activation_bytes,
     calculate,

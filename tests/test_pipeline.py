@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import RunConfig, equivalence, models, timeline
+from labkit import RunConfig, models
 from labkit.experiment import run
+from labkit.labs import equivalence, pipeline_bubble
 from labkit.models import even_bounds, make_model
 from labkit.predict.schedule import ScheduleCosts, bubble_per_stage, costs_at, theory_bubble
 from labkit.rank.probes import TIME_COLUMNS
@@ -38,10 +39,10 @@ SMALL = RunConfig(
 # ---- schedules and theory (no ranks) -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", timeline.SCHEDULES)
+@pytest.mark.parametrize("schedule", pipeline_bubble.SCHEDULES)
 @pytest.mark.parametrize("stages,microbatches", [(1, 3), (2, 1), (2, 4), (3, 2), (4, 8)])
 def test_ideal_schedule_bubble_is_the_formula(schedule, stages, microbatches):
-    events = timeline.theoretical_events(schedule, stages, microbatches, 1.0, 2.0)
+    events = pipeline_bubble.theoretical_events(schedule, stages, microbatches, 1.0, 2.0)
     assert len(events) == 2 * stages * microbatches
     for s, bubble in bubble_per_stage(events).items():
         assert bubble == pytest.approx(theory_bubble(stages, microbatches)), s
@@ -49,8 +50,8 @@ def test_ideal_schedule_bubble_is_the_formula(schedule, stages, microbatches):
 
 def test_1f1b_holds_at_most_p_microbatches_and_gpipe_holds_m():
     P, M = 4, 8
-    gpipe = timeline.activations_in_flight(timeline.theoretical_events("gpipe", P, M))
-    f1b = timeline.activations_in_flight(timeline.theoretical_events("1f1b", P, M))
+    gpipe = pipeline_bubble.activations_in_flight(pipeline_bubble.theoretical_events("gpipe", P, M))
+    f1b = pipeline_bubble.activations_in_flight(pipeline_bubble.theoretical_events("1f1b", P, M))
     assert gpipe == {s: M for s in range(P)}
     assert f1b == {s: P - s for s in range(P)}
 
@@ -170,7 +171,9 @@ CLEAN_SHARE, CLEAN_STEPS, PREDICT_TOL = 0.9, 2, {"defaults": 0.2, "wide": 0.05}
 def test_bubble_predicted_from_other_runs_matches_the_measured_at_p2(schedule, size):
     base = DEFAULTS if size == "defaults" else WIDE
     runs = [run(base.replace(strategy=schedule, microbatches=M)).records for M in (1, 2, 4, 8)]
-    table = timeline.bubble_table(pd.concat(runs, ignore_index=True), min_cpu_share=CLEAN_SHARE)
+    table = pipeline_bubble.bubble_table(
+        pd.concat(runs, ignore_index=True), min_cpu_share=CLEAN_SHARE
+    )
     report = table.round(3).to_dict("records")
     if (table["clean_steps"] < CLEAN_STEPS).any():
         pytest.skip(

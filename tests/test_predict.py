@@ -102,7 +102,8 @@ def test_measured_median_step_falls_in_the_predicted_band(size):
     times measured by the profile, taken before the runs) holds each run's measured median step,
     give or take BAND_MARGIN: ddp and ddp_naive at world size 2, at the default MLP and at
     width 1024."""
-    from labkit import RunConfig, comm, experiment, profile
+    from labkit import RunConfig, experiment
+    from labkit.labs import comm, compute_profile
     from labkit.predict import collectives, step
     from labkit.records import summarize
 
@@ -111,7 +112,7 @@ def test_measured_median_step_falls_in_the_predicted_band(size):
     cfg = RunConfig(strategy="ddp", world_size=2, steps=20)
     if size == "wide":
         cfg = cfg.replace(steps=8, global_batch=256, width=1024)
-    prof = profile.measure(cfg)
+    prof = compute_profile.measure(cfg)
     report = {}
     for strategy in ("ddp", "ddp_naive"):
         t = summarize(experiment.run(cfg.replace(strategy=strategy)).records).iloc[0]
@@ -131,7 +132,7 @@ def test_flops_per_sample_counts_what_the_formula_says():
     2·in·out per Linear; backward computes each weight's gradient (2·in·out) and each input's,
     except the first layer's (the data need no gradient)."""
     from labkit import RunConfig
-    from labkit.profile import flops_per_sample
+    from labkit.labs.compute_profile import flops_per_sample
 
     cfg = RunConfig(width=96, depth=3, in_features=32, classes=10)
     dims = [(32, 96), (96, 96), (96, 96), (96, 10)]
@@ -146,8 +147,8 @@ def test_compute_floor_is_below_a_measured_run():
     from the model's shapes, the rate from a matmul, the time from the run's own steps."""
     from labkit import RunConfig, experiment
     from labkit.env import matmul_flops_per_s
+    from labkit.labs.compute_profile import flops_per_sample
     from labkit.predict.step import compute_floor_s
-    from labkit.profile import flops_per_sample
 
     cfg = RunConfig(strategy="ddp", world_size=2, width=1024, depth=4, global_batch=512, steps=4)
     floor = compute_floor_s(cfg.replace(warmup=0), *flops_per_sample(cfg), matmul_flops_per_s())

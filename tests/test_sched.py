@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from labkit.sched import sim, traces
-from labkit.sched.jobs import PRESETS, Curve, Job
+from labkit.labs.sched import sim, traces
+from labkit.labs.sched.jobs import PRESETS, Curve, Job
 
 LINEAR = PRESETS["linear"]  # throughput = workers (samples/s)
 
@@ -197,7 +197,7 @@ def test_every_policy_finishes_every_job_and_is_deterministic():
         high_priority=0.2,
         curves=("good", "poor"),
     )
-    from labkit.sched.policies import POLICIES
+    from labkit.labs.sched.policies import POLICIES
 
     for p in POLICIES:
         first, again = sim.simulate(jobs, "4x8", p), sim.simulate(jobs, "4x8", p)
@@ -371,7 +371,7 @@ PACE_S = 0.05
 def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process(monkeypatch):
     """Job 0's 80 paced steps last at least 4 s, so job 1 (high priority, arriving at 1 s)
     always finds it running: however fast or idle the machine, the replay must evict it."""
-    from labkit.sched import replay
+    from labkit.labs.sched import replay
 
     paces, handle = [], replay._Handle  # the pace every real run was launched with
     monkeypatch.setattr(replay, "_Handle", lambda cfg: paces.append(cfg.pace_s) or handle(cfg))
@@ -397,7 +397,7 @@ def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process(mon
 
 def test_replay_resizes_an_elastic_job_for_real():
     """Job 0's 120 paced steps last at least 6 s: it is still running at the 1 s round."""
-    from labkit.sched import replay
+    from labkit.labs.sched import replay
 
     cal = replay.Calibration({1: 20.0, 2: 30.0}, {1: 0.5, 2: 0.7}, 0.1)  # 2 workers gain 0.5
     trace = [replay.ReplayJob(0, 0.0, 1, 120), replay.ReplayJob(1, 1.5, 1, 10)]
@@ -412,7 +412,7 @@ def test_replay_resizes_an_elastic_job_for_real():
 
 
 def test_replay_checks_its_input_before_running():
-    from labkit.sched import replay
+    from labkit.labs.sched import replay
 
     with pytest.raises(ValueError, match="3 to 12 jobs"):
         replay.small_trace(2)
@@ -428,7 +428,7 @@ def test_replay_checks_its_input_before_running():
 def test_round_policies_rank_in_numpy_exactly_as_their_keys_sort(name):
     """maxmin and ftf rank a loaded cluster's jobs in numpy (the simulator's hot spot at 120 %
     load); the same trace ranked by sorting ``key`` must give every job the same finish time."""
-    from labkit.sched.policies import Policy, make_policy
+    from labkit.labs.sched.policies import Policy, make_policy
 
     fast = make_policy(name)
     plain = make_policy(name)

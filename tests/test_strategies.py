@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, equivalence, experiment
+from labkit import RunConfig, experiment
 from labkit.data import ToyClassification
+from labkit.labs import equivalence
 from labkit.rank.probes import TIME_COLUMNS
 from labkit.records import BUSY_SHARE, summarize
 from tests.helpers.models import centred_mlp

@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import RunConfig, experiment, sync_async
+from labkit import RunConfig, experiment
+from labkit.labs import sync_async
 from labkit.records import config_label
 from labkit.strategies import diloco, hogwild
 from labkit.strategies.async_ps import ParameterServer

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import launch
-from labkit.equivalence import batch_stat_layers
+from labkit.labs.equivalence import batch_stat_layers
 from labkit.rank.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 

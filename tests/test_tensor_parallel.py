@@ -501,7 +501,8 @@ def test_predicted_bytes_are_the_bytes_counted_on_the_wire(
     """predict.step reads the layout from the profile (each block's output and gradient
     sizes) and the Megatron pairs (labkit.predict.step.tensor_parallel_layout); labkit.wire
     counts what each rank's process group is handed. Every step, every rank: the same bytes."""
-    from labkit import RunConfig, experiment, profile
+    from labkit import RunConfig, experiment
+    from labkit.labs import compute_profile
     from labkit.predict.collectives import AlphaBeta, CollectiveModel
     from labkit.predict.step import predict
 
@@ -509,7 +510,7 @@ def test_predicted_bytes_are_the_bytes_counted_on_the_wire(
         strategy=strategy, world_size=world_size, tp=tp_degree, model=model,
         sequence_parallel=sp, width=64, steps=3, warmup=1,
     )  # fmt: skip
-    prof = profile.measure(cfg, repeats=1)
+    prof = compute_profile.measure(cfg, repeats=1)
     net = CollectiveModel.uniform(AlphaBeta(1e-5, 1e9))
     pred = predict(
         prof, net, strategy, world_size, cfg.global_batch, tp=cfg.tensor_parallel,

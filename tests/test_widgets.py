@@ -157,7 +157,7 @@ def test_layout_panel_maps_degrees_to_strategies_and_keeps_each_run_apart():
 
 def test_the_same_configuration_run_three_times_is_three_rows_not_one_pooled_run():
     # before: samples/s 88k -> 176k -> 221k and "1 run(s)": three runs' steps pooled in one row
-    from labkit.sync_async import to_target
+    from labkit.labs.sync_async import to_target
     from labkit.widgets import sync_panel
 
     panel = sync_panel(SMALL.replace(steps=10))

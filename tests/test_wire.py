@@ -11,12 +11,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from torch._C._distributed_c10d import HookOpName
 
 from labkit import RunConfig, experiment, launch
 from labkit.models import make_model
 from labkit.strategies import run_rank
-from labkit.wire import sent
+from labkit.wire import HookOpName, sent
 
 SMALL = RunConfig(width=64, depth=2, steps=3, warmup=1, global_batch=32, dataset_size=512)
 PSI = sum(p.numel() * p.element_size() for p in make_model(SMALL).parameters())  # the model

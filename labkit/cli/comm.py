@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_comm(args) -> int:
-    from .. import comm
+    from ..labs import comm
     from ..plots import communication as charts
     from ..predict.collectives import OPS, fit_table
 

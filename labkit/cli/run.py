@@ -129,11 +129,12 @@ def _report(args, base: RunConfig, records) -> int:
             print(f"note ({key}): {note}")
     print("\n== what the table says\n" + explain(table))
     if records["strategy"].isin(SYNC_ASYNC[1:]).any():  # the periodic and asynchronous modes
-        from ..sync_async import default_target, people_table, to_target
+        from ..labs.sync_async import default_target, people_table, to_target
 
         target = default_target(records)
         print(
-            f"\n== to a loss of {target:.3f} (smoothed over 4 global batches; labkit.sync_async)"
+            f"\n== to a loss of {target:.3f} "
+            f"(smoothed over 4 global batches; labkit.labs.sync_async)"
             f"\nasync_ps and hogwild: read this table, not the one above, which pairs ranks "
             f"by step number (asynchronous ranks share none)"
         )
@@ -165,7 +166,7 @@ def _report(args, base: RunConfig, records) -> int:
 
 def cmd_check(args) -> int:
     one_run_only(args)
-    from ..equivalence import check, world_size_for
+    from ..labs.equivalence import check, world_size_for
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
@@ -284,7 +285,7 @@ def _print_table(table) -> None:
 
 def cmd_memory(args) -> int:
     """Bytes per rank by category for each strategy, counted, and the calculator's error."""
-    from ..memory import measure, memory_table
+    from ..labs.memory import measure, memory_table
 
     base = config_from_args(args, strategy="ddp", world_size=2)
     sizes = csv(args.world_sizes, int, "--world-sizes")

@@ -47,9 +47,9 @@ def add_parser(sub) -> None:
 
 def cmd_schedule(args) -> int:
     """Simulate policies on a trace (a CSV file or a generated one); --replay runs it for real."""
-    from ..sched import replay, sim, traces
-    from ..sched.jobs import resolve_curve
-    from ..sched.policies import POLICIES, make_policy
+    from ..labs.sched import replay, sim, traces
+    from ..labs.sched.jobs import resolve_curve
+    from ..labs.sched.policies import POLICIES, make_policy
 
     if bool(args.trace) == bool(args.generate):
         raise ValueError("give either --trace FILE or --generate N")
@@ -172,7 +172,7 @@ def _schedule_table(table) -> str:
 
 
 def _schedule_replay(args, policies) -> int:
-    from ..sched import replay
+    from ..labs.sched import replay
 
     print(
         f"replay: {args.generate} short labkit runs on {replay.CORES} CPU cores, policies "

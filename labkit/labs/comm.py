@@ -26,10 +26,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .dist import RankContext, all_gather_single, reduce_scatter_single
-from .predict.collectives import OPS, bus_factor
-from .records import summarize
-from .report import human_bytes  # noqa: F401  (comm.human_bytes: the benchmark tables use it)
+from ..dist import RankContext, all_gather_single, reduce_scatter_single
+from ..predict.collectives import OPS, bus_factor
+from ..records import summarize
+from ..report import human_bytes  # noqa: F401  (comm.human_bytes: the benchmark tables use it)
 
 # The alpha-beta fit uses the mean time per call, not the median: a training step makes many
 # calls and pays every slow one (on a shared CPU, a scheduler tick in a fraction of the calls),
@@ -241,7 +241,7 @@ def benchmark(
     dict of GB/s). The same function the CLI runs."""
     import pandas as pd
 
-    from .launch import launch
+    from ..launch import launch
 
     if isinstance(sizes, str):
         sizes = size_range(sizes)
@@ -269,7 +269,7 @@ def fit_report(table, min_bytes: int = 64 * 1024):
     """Alpha-beta per op with its held-out error: (fits, held-out rows), both DataFrames."""
     import pandas as pd
 
-    from .predict.collectives import held_out_fit
+    from ..predict.collectives import held_out_fit
 
     fits, held = [], []
     for (op, n), g in table.groupby(["op", "world_size"], sort=False):
@@ -312,7 +312,7 @@ def knob_rows(results, profile=None, network=None):
     the global-batch loss, and, given a profile and a network, the predicted step beside it."""
     import pandas as pd
 
-    from .predict.step import predict
+    from ..predict.step import predict
 
     rows = []
     for res in results:

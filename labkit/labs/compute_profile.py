@@ -13,22 +13,22 @@ The ranks do not communicate while profiling.
 
 A step that follows a wait computes more slowly than one that follows another step: while a
 rank sleeps in a collective its core idles, and what it computes next finds colder caches (and,
-in a virtual machine, a virtual CPU the host may have descheduled). On the 2-core VM labkit is
-tested on, a step of the default MLP took 2x as long after a 2 ms wait as back to back. So the
-profile also times whole steps after sleeping ``AFTER_WAIT_GAPS`` seconds (``after_wait_s``),
-and the predictor adds the extra for the wait it predicts.
+in a virtual machine, a virtual CPU the host may have descheduled; how much: benchmarks/
+README.md, "Behind the code"). So the profile also times whole steps after sleeping
+``AFTER_WAIT_GAPS`` seconds (``after_wait_s``), and the predictor adds the extra for the wait
+it predicts.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from .config import RunConfig
-from .env import cpu_cores, resolve_device
-from .factories import Factories, validate
-from .launch import launch
-from .predict.step import Layer, Profile
-from .rank.profiling import profile_rank
+from ..config import RunConfig
+from ..env import cpu_cores, resolve_device
+from ..factories import Factories, validate
+from ..launch import launch
+from ..predict.step import Layer, Profile
+from ..rank.profiling import profile_rank
 
 
 def measure(

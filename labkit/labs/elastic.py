@@ -31,18 +31,18 @@ from dataclasses import dataclass, field
 import pandas as pd
 import psutil
 
-from .config import RunConfig
-from .flags import to_argv
-from .launch import free_port
-from .rank.resume import read_timeline
+from ..config import RunConfig
+from ..flags import to_argv
+from ..launch import free_port
+from ..rank.resume import read_timeline
 
 # torchrun's rendezvous knobs (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py),
 # in whole seconds: how long an agent waits for the group to reach MIN nodes (join), how long it
-# waits for more once MIN is there (last_call, 30 s by default: the main cost of a join here),
+# waits for more once MIN is there (last_call, 30 s by default: the main cost of a join),
 # and how soon a silent agent counts as gone (keep_alive_interval x keep_alive_max_attempt).
 # They are read as whole seconds (``get_as_int``), so 1 s is the floor. torchrun's own
-# --monitor-interval (how often an agent looks at its workers and for waiting nodes) is already
-# 0.1 s in torch 2.14.1, and is left alone.
+# --monitor-interval (how often an agent looks at its workers and for waiting nodes) already
+# defaults to 0.1 s, and is left alone.
 FAST_RDZV = {
     "join_timeout": 20,
     "last_call_timeout": 1,
@@ -50,10 +50,10 @@ FAST_RDZV = {
     "keep_alive_interval": 1,
     "keep_alive_max_attempt": 3,
 }
-# torch 2.x shares the rendezvous TCP store with the workers by default; an agent that was rank
+# torchrun shares the rendezvous TCP store with the workers by default; an agent that was rank
 # 0 in the first round does not publish MASTER_ADDR for the next round, so a node joining a
-# running job waits for it until the store times out (checked here: a join hung 60 s, then both
-# agents failed). A separate store per round re-forms correctly.
+# running job waits for it until the store times out, and both agents fail (benchmarks/
+# README.md, "Behind the code"). A separate store per round re-forms correctly.
 AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 

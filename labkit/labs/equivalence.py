@@ -37,12 +37,12 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import registry
-from .config import RunConfig
-from .env import cpu_cores, resolve_device
-from .experiment import run
-from .factories import Factories
-from .registry import DATA_PARALLEL, PIPELINES
+from .. import registry
+from ..config import RunConfig
+from ..env import cpu_cores, resolve_device
+from ..experiment import run
+from ..factories import Factories
+from ..registry import DATA_PARALLEL, PIPELINES
 
 _DROPOUT = (
     nn.Dropout,

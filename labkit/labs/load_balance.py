@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .predict.step import predict_balance
-from .records import config_label
-from .shares import skew_weights, slowdown_at
+from ..predict.step import predict_balance
+from ..records import config_label
+from ..shares import skew_weights, slowdown_at
 
 # ---- prediction beside measurement --------------------------------------------------------------
 

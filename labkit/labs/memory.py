@@ -15,11 +15,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from . import experiment
-from .models import make_model
-from .predict.memory import CATEGORIES, calculate
-from .rank.memory_meter import COLUMNS
-from .records import config_label, labels
+from .. import experiment
+from ..models import make_model
+from ..predict.memory import CATEGORIES, calculate
+from ..rank.memory_meter import COLUMNS
+from ..records import config_label, labels
 
 # the calculator's strategy for each run strategy it models: dp and ddp_naive hold DDP's bytes
 CALCULATED = {

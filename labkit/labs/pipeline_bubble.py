@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from .predict.schedule import (
+from ..predict.schedule import (
     ScheduleCosts,
     bubble_over_compute,
     costs_at,
@@ -27,7 +27,7 @@ from .predict.schedule import (
     simulate,
     theory_bubble,
 )
-from .records import step_bubbles
+from ..records import step_bubbles
 
 SCHEDULES = ("gpipe", "1f1b")
 

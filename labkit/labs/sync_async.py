@@ -30,8 +30,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from .records import BUSY_SHARE, cpu_share, run_label
-from .registry import SYNC_ASYNC
+from ..records import BUSY_SHARE, cpu_share, run_label
+from ..registry import SYNC_ASYNC
 
 SYNCHRONOUS = ("ddp", "local_sgd", "diloco", "ddp_naive", "single")
 ASYNCHRONOUS = ("async_ps", "hogwild")

@@ -22,11 +22,11 @@ from torch.distributed.algorithms import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from .config import RunConfig
-from .data import batches as endless
-from .data import shard_loader
-from .factories import Factories
-from .launch import LaunchError, launch
+from ..config import RunConfig
+from ..data import batches as endless
+from ..data import shard_loader
+from ..factories import Factories
+from ..launch import LaunchError, launch
 
 if TYPE_CHECKING:  # pandas loads in the caller only: _uneven_rank runs in rank processes
     import pandas as pd
@@ -93,7 +93,7 @@ def _uneven_rank(ctx, cfg, batches, join: bool) -> dict:
     fns = Factories()
     torch.manual_seed(cfg.seed)
     model = fns.model(cfg).to(ctx.device)
-    ddp = DDP(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    ddp = DDP(model, device_ids=ctx.device_ids)
     loss_fn, optimizer = fns.loss(cfg), fns.optimizer(cfg, ddp.parameters())
     data = endless(
         shard_loader(

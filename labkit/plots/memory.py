@@ -23,7 +23,7 @@ def _unit(largest: float) -> str:
 
 
 def by_rank(table: pd.DataFrame, title: str = "Memory per rank by category (counted)") -> go.Figure:
-    """Stacked bars, one per (run, rank), from ``labkit.memory.memory_table`` (MiB columns)."""
+    """Stacked bars, one per (run, rank), from ``labkit.labs.memory.memory_table`` (MiB columns)."""
     x = [f"{r} · rank {k}" for r, k in zip(table["run"], table["rank"])]
     fig = go.Figure()
     largest = float(table[[f"{c}_mib" for c in CATEGORIES]].sum(axis=1).max()) * 2**20

@@ -7,7 +7,7 @@ bubble. The communication lab's step-time predictor builds on it.
 
 ``memory``: bytes per rank by category (parameters, gradients, optimizer state, activations,
 the rest) for a model, batch, precision, optimizer, strategy and world size: the memory lab's
-calculator (``labkit.memory.predict`` applies it to a run's config), and for large transformers
+calculator (``labkit.labs.memory.predict`` applies it to a run's config), and for large transformers
 under any tensor x pipeline x data layout with ZeRO (``transformer_layout``).
 
 ``layout``: the layout advisor: every dp x tp x pp x ZeRO x micro-batch x recompute layout of a

@@ -169,7 +169,7 @@ def held_out_fit(
 
 def fit_table(rows: Iterable[dict], world_size: int, on: str = "mean_s") -> CollectiveModel:
     """A ``CollectiveModel`` from benchmark rows (``op``, ``bytes`` and the seconds in ``on``:
-    ``labkit.comm`` rows carry ``mean_s`` and ``time_s``, the median), one fit per op."""
+    ``labkit.labs.comm`` rows carry ``mean_s`` and ``time_s``, the median), one fit per op."""
     by_op: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         by_op.setdefault(r["op"], []).append((r["bytes"], r[on] if on in r else r["time_s"]))

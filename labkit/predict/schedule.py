@@ -1,6 +1,7 @@
 """Predict a pipeline step by simulating its schedule on measured costs.
 
-The closed form (P-1)/(M+P-1) assumes P equal stages, free hand-offs and no time between one
+The order each stage runs its actions in is the executor's (``labkit.pipeline_schedules``). The
+closed form (P-1)/(M+P-1) assumes P equal stages, free hand-offs and no time between one
 action and the next. Real stages differ; every hand-off between ranks is a point-to-point message
 (~0.2-0.5 ms on gloo here); and every action costs its stage some dispatch (posting a send,
 allocating a receive buffer, ~0.1-0.2 ms). Next to a small micro-batch's compute these are not
@@ -25,22 +26,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-
-def stage_actions(
-    schedule: str, stages: int, microbatches: int, stage: int
-) -> list[tuple[str, int]]:
-    """The order in which one stage runs its forwards ("F", m) and backwards ("B", m)."""
-    M = microbatches
-    if schedule in ("gpipe", "model_parallel"):  # all forwards, then all backwards
-        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}: choose gpipe, 1f1b or model_parallel")
-    # 1F1B: enough forwards to fill the pipe below this stage, then alternate, then drain.
-    warmup = min(stages - stage - 1, M)
-    actions = [("F", m) for m in range(warmup)]
-    for i in range(M - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", m) for m in range(M - warmup, M)]
+from ..pipeline_schedules import stage_actions  # the order the executor runs: one definition
 
 
 @dataclass(frozen=True)

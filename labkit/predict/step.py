@@ -2,10 +2,10 @@
 
     predict(profile, network, strategy, world_size, global_batch, **knobs) -> StepPrediction
 
-The profile (``labkit.profile.measure``) holds, per layer in forward order, the forward and
-backward seconds at one per-rank batch and the bytes of each gradient tensor, plus the
+The profile (``labkit.labs.compute_profile.measure``) holds, per layer in forward order, the
+forward and backward seconds at one per-rank batch and the bytes of each gradient tensor, plus the
 optimizer's and the data loader's time per step. The network is a
-``labkit.predict.collectives.CollectiveModel``: fitted on this machine (``labkit.comm``) or a
+``labkit.predict.collectives.CollectiveModel``: fitted on this machine (``labkit.labs.comm``) or a
 published interconnect (``labkit.predict.whatif``). How each strategy spends a step:
 
 * ``single``: data + forward + backward + optimizer on the whole global batch.
@@ -26,8 +26,9 @@ multiplies the bytes on the wire (``compression``: 0.5 for fp16/bf16).
 Compute scales with the batch as measured (``Profile.at_batch``: a line through the profile's
 two batch sizes, per layer). Each rank is assumed to compute as fast as when it was profiled:
 profile under the conditions you predict (same threads per rank, the same number of ranks
-computing at once), which ``labkit.profile.measure`` does. Two effects of sharing a machine are
-measured there and modelled here, because on a CPU they are as large as the communication:
+computing at once), which ``labkit.labs.compute_profile.measure`` does. Two effects of sharing a
+machine are measured there and modelled here, because on a CPU they are as large as the
+communication:
 
 * ``Profile.comm_shares_core``: gloo's all-reduce thread has no core of its own, so a bucket
   reduced during backward slows backward down as much as it hides (``ddp_timeline``);
@@ -68,7 +69,7 @@ class Layer:
 
 @dataclass(frozen=True)
 class Profile:
-    """Compute of one rank at ``batch`` samples, measured (see ``labkit.profile``)."""
+    """Compute of one rank at ``batch`` samples, measured (see ``labkit.labs.compute_profile``)."""
 
     batch: int
     layers: tuple[Layer, ...]
@@ -692,7 +693,8 @@ def compute_floor_s(
     cfg, forward_flops: float, backward_flops: float, flops_per_s: float, devices: int = 1
 ) -> float:
     """A lower bound on the seconds ``cfg``'s run computes: one sample's FLOPs
-    (``labkit.profile.flops_per_sample``; activation checkpointing runs each forward twice)
+    (``labkit.labs.compute_profile.flops_per_sample``; activation checkpointing runs each forward
+    twice)
     times every sample of every step, warm-up included, over ``devices`` devices each at
     ``flops_per_s`` (``labkit.env.matmul_flops_per_s``: on a CPU the whole machine, so 1).
     Not a prediction: communication, the optimizer, launching and slower small products all

@@ -2,7 +2,7 @@
 
 Bandwidths and FLOP/s are the vendors' published figures (per direction, dense); latencies are
 typical values, not published specifications, and are labelled so. This machine's entries are
-measured (``labkit.comm`` and ``labkit.profile``).
+measured (``labkit.labs.comm`` and ``labkit.labs.compute_profile``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Device:
 
 
 DEVICES = {
-    "this machine": Device("this machine", None, "measured (labkit.profile)"),
+    "this machine": Device("this machine", None, "measured (labkit.labs.compute_profile)"),
     "H100 SXM": Device(
         "H100 SXM",
         989e12 * 0.5,

@@ -23,13 +23,16 @@ backward):
   batch, so a rank with more data runs more steps; ``torch.distributed.algorithms.Join`` lets the
   ranks that ran out shadow the all-reduces of those still training (``labkit.rank.join``).
 
-The shares themselves are ``labkit.shares``; what the records say, ``labkit.load_balance``.
+None of this is in the shared loop: ``ddp_naive`` and ``ddp`` compose it when ``cfg.balancing``
+(``balanced``: the loop handed this rank's data, its weighted loss and, for ``ddp_naive``, the
+balancer's sync), and the balancer acts at the points of the loop's watch. The sync vs async
+lab's straggler (``slowdown`` alone) is ``Straggler``, composed by those strategies the same way.
+The shares themselves are ``labkit.shares``; what the records say, ``labkit.labs.load_balance``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,12 +40,46 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler, default_collate
 
-from ..dist import all_reduce_flat
+from ..dist import RankContext, all_reduce_flat
 from ..shares import skew_weights, slowdown_at, split
+from .join import JoinableSync, join_context
+from .loop import train_loop
+from .probes import cpu_seconds
+from .watch import Watch
 
 if TYPE_CHECKING:
     from ..config import RunConfig
-    from .join import JoinableSync
+    from ..data import batches
+    from ..factories import Factories
+    from .watch import Phase
+
+
+def balanced(
+    cfg: RunConfig, ctx: RankContext, model: nn.Module, data: batches, *, fns: Factories
+) -> dict:
+    """``train_loop`` with load balancing composed in (``cfg.balancing``: ``ddp_naive`` and
+    ``ddp``): this rank's slice of every global batch (or, under join, its own data for as many
+    steps as it lasts), its loss's gradient weighted by its share, the straggler's sleep and,
+    for ``ddp_naive``, the arrival point and one flat weighted all-reduce instead of its own
+    average (DDP's stays inside backward). Join's context wraps the whole loop."""
+    bal = Balancer(cfg, ctx, model, data)
+    with join_context(bal.joinable):
+        return train_loop(
+            cfg,
+            ctx,
+            model,
+            bal.batches,
+            fns=fns,
+            loss_fn=bal.weighted(fns.loss(cfg)),
+            sync_grads=None if bal.overlapped else bal.sync,
+            steps=bal.steps(cfg.warmup + cfg.steps) - cfg.warmup,
+            watch=Watch(cfg, ctx, bal),
+        )
+
+
+def straggler(cfg: RunConfig, ctx: RankContext) -> Straggler | None:
+    """The sync vs async lab's straggler (``cfg.slowdown`` alone), or None without one."""
+    return Straggler(cfg, ctx.rank) if cfg.slowdown else None
 
 
 def straggle(slowdown, rank: int, step: int, since: float, clock=time.perf_counter) -> float:
@@ -54,40 +91,96 @@ def straggle(slowdown, rank: int, step: int, since: float, clock=time.perf_count
     return factor
 
 
-# ---- the rank side: what the shared training loop calls -----------------------------------------
+class Straggler:
+    """A rank made slower in the modes that compute the same work on every rank (local SGD,
+    DiLoCo, the parameter server's workers, Hogwild): after each backward it sleeps (factor - 1)
+    x the CPU seconds its compute had since the batch arrived (CPU time, not wall time: a
+    synchronous mode's backward also waits in all-reduces). Its records carry ``slowdown``."""
+
+    def __init__(self, cfg: RunConfig, rank: int):
+        self.slowdown, self.rank, self.warmup = cfg.slowdown, rank, cfg.warmup
+        self.threads = torch.get_num_threads()
+        self.step, self.since, self.factor = 0, 0.0, 1.0
+
+    def clock(self) -> float:
+        return cpu_seconds(self.threads)
+
+    def step_start(self, i: int) -> None:
+        self.step = i - self.warmup
+
+    def exit(self, phase: Phase) -> None:
+        if phase.name == "data":
+            self.since = self.clock()
+        elif phase.name == "backward":  # inside the backward phase: a slower device's compute
+            self.factor = straggle(self.slowdown, self.rank, self.step, self.since, self.clock)
+
+    def step_end(self, i: int, rec: dict) -> None:
+        rec["slowdown"] = self.factor
 
 
-@dataclass
+class _Weighted(torch.autograd.Function):
+    """The loss as it is (what the rank reports), its gradient times ``weight``."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.weight, None
+
+
+class _Slices:
+    """The balancer's data stream: each ``next`` one micro-batch of this rank's, counted."""
+
+    def __init__(self, balancer: Balancer, data: batches):
+        self.balancer, self.data, self.loader = balancer, data, data.loader
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        bal = self.balancer
+        x, y = bal.batch() if bal.slices else next(self.data)
+        bal.samples += len(x)
+        bal.last = len(x)
+        return x, y
+
+
 class Balancer:
-    """One rank's load-balancing state inside ``labkit.rank.loop.train_loop``.
+    """One rank's load balancing, composed into the shared loop by ``balanced``.
 
     static / dynamic: every step draws the same global batch single-device training draws and
     takes this rank's slice of it (``shares``); join: the rank's own shard at a fixed batch, for
-    as many steps as its data lasts."""
+    as many steps as its data lasts. It is a participant of the loop's watch
+    (``labkit.rank.watch``): it sleeps inside the phase a slower device would spend longer in,
+    times its arrival as the ``wait`` phase, and adds ``slowdown`` and ``share`` to each record.
+    """
 
-    cfg: RunConfig
-    rank: int
-    world_size: int
-    device: torch.device
-    dataset: object
-    model: nn.Module
-    joinable: JoinableSync | None = None  # rebalance="join": the sync, joinable
-    # DDP: gradients are synchronised inside backward, so there is no arrival point to time;
-    # each rank keeps its own (compute, samples) and the ranks pool them when shares move
-    overlapped: bool = False
-    shares: list[int] = field(default_factory=list)
-    samples: int = 0  # this rank's samples in the current step
-    window: list[list[tuple[float, float]]] = field(default_factory=list)  # per step, per rank
+    # DDP's sleep covers the backward to come, which the watch's calibration times: from the
+    # first step on, so warm-up steps straggle too and the last one can set the first shares
+    calibrate_early = True
 
-    def __post_init__(self):
-        cfg = self.cfg
+    def __init__(self, cfg: RunConfig, ctx: RankContext, model: nn.Module, data: batches):
+        self.cfg, self.rank, self.world_size = cfg, ctx.rank, ctx.world_size
+        self.device, self.model, self.dataset = ctx.device, model, data.loader.dataset
+        # DDP: gradients are synchronised inside backward, so there is no arrival point to time;
+        # each rank keeps its own (compute, samples) and the ranks pool them when shares move
+        self.overlapped = hasattr(model, "no_sync")
+        self.joinable = JoinableSync(model, ctx.device) if cfg.rebalance == "join" else None
         self.weights = skew_weights(self.world_size, cfg.skew)
         self.shares = split(cfg.global_batch, self.weights)
         self._order = _global_batches(self.dataset, cfg.global_batch, cfg.seed)
-        self._t0 = 0.0
+        self.batches = _Slices(self, data)
+        self.watch: Watch | None = None
+        self.window: list[list[tuple[float, float]]] = []  # per step, per rank
         self.own: list[tuple[float, float]] = []  # overlapped: this rank's (compute, samples)
+        self.samples = self.last = 0  # this rank's samples in the current step, the last batch's
+        self.step, self.slowdown = 0, 1.0
+        self._t0 = self._since = 0.0
 
-    # -- data
+    # -- data, loss, sync: what the loop is handed
     @property
     def slices(self) -> bool:
         """static / dynamic: this rank trains a slice of every global batch (else join: its
@@ -107,6 +200,12 @@ class Balancer:
         is the global batch's mean gradient: n_r * world_size / B."""
         return self.shares[self.rank] * self.world_size / self.cfg.global_batch
 
+    def weighted(self, loss_fn):
+        """``loss_fn`` whose gradient is weighted by this rank's share (slices only)."""
+        if not self.slices:
+            return loss_fn
+        return lambda out, y: _Weighted.apply(loss_fn(out, y), self.loss_scale)
+
     def steps(self, total: int) -> int:
         """Steps this rank trains (warm-up included): all of them, except under join, where a
         rank with less data runs out sooner (rank r: ``total * weight_r / max weight``)."""
@@ -114,14 +213,51 @@ class Balancer:
             return total
         return max(1, round(total * self.weights[self.rank] / max(self.weights)))
 
-    # -- compute and arrival
-    def begin(self) -> None:
+    def sync(self) -> None:
+        """``ddp_naive``'s gradient average at the arrival point (the ``wait`` phase): under
+        join, ``JoinableSync``'s (the ranks that ran out shadow it); else one flat all-reduce
+        of every gradient, so that what a run measures is the balance, not one latency per
+        parameter tensor. Each rank's loss was weighted by its share, so the average is the
+        global batch's mean gradient."""
+        with self.watch.phase("wait"):
+            self.arrive(self.samples)
+        if self.joinable is not None:
+            self.joinable.reduce(self.samples)
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        all_reduce_flat(grads)
+        for g in grads:
+            g /= self.world_size
+
+    # -- the watch's points: the step, the sleep, the record
+    def attach(self, watch: Watch) -> None:
+        self.watch = watch
+
+    def step_start(self, i: int) -> None:
+        self.step, self.samples, self.slowdown = i - self.cfg.warmup, 0, 1.0
         self._t0 = time.perf_counter()
 
+    def exit(self, phase: Phase) -> None:
+        """A slower device: after its data arrived, it computes ``factor`` times as long. DDP's
+        gradients leave during backward, so it sleeps at the end of forward for the forward it
+        did and the backward to come; ``ddp_naive`` sleeps at the end of backward."""
+        if phase.name == "data":
+            self._since = time.perf_counter()
+        elif phase.name == ("forward" if self.overlapped else "backward"):
+            to_come = self.watch.backward_estimate(self.last) if self.overlapped else 0.0
+            self.slowdown = self.slow_down(self.step, self._since, to_come)
+
+    def step_end(self, i: int, rec: dict) -> None:
+        rec["slowdown"] = self.slowdown
+        rec["share"] = rec["samples"] / self.cfg.global_batch
+        if self.overlapped:
+            self.record(rec["forward_s"] + rec["backward_s"], rec["samples"])
+        self.end_step(i - self.cfg.warmup)
+
+    # -- compute and arrival
     def slow_down(self, step: int, since: float, to_come: float = 0.0) -> float:
         """Sleep (factor - 1) x the compute since ``since`` (plus ``to_come`` seconds of compute
-        this step will still do: DDP's backward, whose gradients leave during it, so the sleep
-        must come before); return the factor."""
+        this step will still do); return the factor."""
         factor = slowdown_at(self.cfg.slowdown, self.rank, step)
         if factor > 1:
             time.sleep((factor - 1) * (time.perf_counter() - since + to_come))
@@ -135,7 +271,6 @@ class Balancer:
     def arrive(self, samples: int) -> float:
         """All-gather (compute seconds, samples) of every rank; return the seconds this rank
         waited for the last one to arrive. Under join: notify the join context instead."""
-        self.samples = samples
         if self.joinable is not None:
             return self.joinable.notify()
         compute = time.perf_counter() - self._t0
@@ -146,19 +281,6 @@ class Balancer:
         wait = time.perf_counter() - t
         self.window.append([(float(c), float(n)) for c, n in (e.tolist() for e in every)])
         return wait
-
-    def sync(self) -> None:
-        """The gradient average at the arrival point: under join, ``JoinableSync``'s (the
-        ranks that ran out shadow it); else one flat all-reduce of every gradient, so that what
-        a run measures is the balance, not one latency per parameter tensor. Each rank's loss
-        was weighted by its share, so the average is the global batch's mean gradient."""
-        if self.joinable is not None:
-            self.joinable.reduce(self.samples)
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        all_reduce_flat(grads)
-        for g in grads:
-            g /= self.world_size
 
     def end_step(self, step: int) -> None:
         """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput

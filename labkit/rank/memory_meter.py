@@ -7,9 +7,10 @@ with:
 * ``grads``: gradient storage just before the optimizer step (FSDP: the sharded gradients);
 * ``optimizer``: tensors in the optimizer's state after a step (momentum, Adam's two moments;
   ZeRO-1 and FSDP: this rank's partition);
-* ``activations``: what autograd saved for backward during one micro-batch's forward (seen
+* ``activations``: what autograd saved for backward during each micro-batch's forward (seen
   through ``torch.autograd.graph.saved_tensors_hooks``), still alive when forward ends,
-  excluding parameters and the input batch. The largest over a step's micro-batches;
+  excluding parameters and the input batch, held until that micro-batch's backward: the most
+  held at once in a step (one rule for the shared loop and the pipeline schedules);
 * ``rest``: the batch itself, parameter *copies* autograd saved (autocast's bf16/fp16 casts
   of the weights, FSDP's gathered parameters still alive when forward ends), and the model's
   buffers (BatchNorm's running statistics).
@@ -23,7 +24,7 @@ buffer), allocator caching, the interpreter and libraries. On a GPU the same cou
 and ``peak_mem_bytes`` is the CUDA allocator's peak (``torch.cuda.max_memory_allocated``).
 
 The calculator that predicts these columns is ``labkit.predict.memory``; the tables that read
-them are ``labkit.memory``.
+them are ``labkit.labs.memory``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
+def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:
     """The distinct storages behind ``tensors``, keyed by address (views of one buffer once)."""
     out = {}
     for t in tensors:
@@ -55,7 +56,7 @@ def storages(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]
     return out
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes of the distinct storages behind ``tensors``."""
     return sum(s.nbytes() for s in storages(tensors).values())
 
@@ -81,28 +82,50 @@ def _is_param_copy(t: torch.Tensor) -> bool:
 
 
 class MemoryMeter:
-    """Counts the five categories during one rank's training loop (see the module docstring).
+    """Counts the five categories during one rank's training loop (see the module docstring),
+    for the shared loop and the pipeline loop alike.
 
-    ``meter.begin(i)`` at each step; ``with meter.forward(x, y): loss = ...``; ``meter.grads()``
-    after the last backward; ``meter.step()`` after the optimizer step; ``meter.columns()`` ->
-    the record's columns. Counting happens at one step only, ``at_step`` (the training loop
-    picks the last warm-up step, or the first measured one without warm-up), and every record
-    carries its counts: the categories are the same at every step of a run, while the saved-
-    tensor hooks cost ~15 us per saved tensor (measured here), enough to slow a small model's
-    measured steps by a third if they ran on every step."""
+    ``meter.begin(i)`` at each step; ``with meter.forward(x, y, key=m): loss = ...`` around each
+    micro-batch's forward (``x, y``: the data it was handed, counted as ``rest``; a pipeline
+    stage's received activations are not data); ``meter.backward_done(m)`` once its backward
+    freed them; ``meter.grads()`` before the optimizer step; ``meter.step()`` after it;
+    ``meter.columns()`` -> the record's columns. What a micro-batch saved is held from its
+    forward to its backward, so ``activations`` is the most held at once: one micro-batch's
+    under gradient accumulation (each backward frees its forward's before the next one), all M
+    under GPipe, at most P - stage under 1F1B.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, at_step: int = 0):
+    The categories are counted at one step only, ``at_step`` (the training loop picks the last
+    warm-up step, or the first measured one without warm-up), and every record carries their
+    counts: they are the same at every step of a run, while the saved-tensor hooks cost time
+    for every tensor autograd saves, enough to slow a small model's measured steps visibly if
+    they ran on every step. With ``every_step`` (a pipeline, whose schedule is the lesson) the
+    micro-batches held at once are followed at every step: ``peaks()``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        at_step: int = 0,
+        every_step: bool = False,
+    ):
         self.model, self.optimizer, self.at_step = model, optimizer, at_step
+        self.every_step = every_step
         self.values = dict.fromkeys(CATEGORIES, 0)
-        self.buffers, self.active = 0, True
+        self.buffers = 0
+        self.counting = self.watching = True  # until begin(): one step, counted
+        self.held: dict[object, int] = {}  # micro-batch -> bytes its forward saved
+        self.peak_bytes = self.peak_count = 0
 
     def begin(self, step: int) -> None:
-        self.active = step == self.at_step
+        self.counting = step == self.at_step
+        self.watching = self.counting or self.every_step
+        self.held.clear()
+        self.peak_bytes = self.peak_count = 0
 
     @contextmanager
-    def forward(self, *batch: torch.Tensor):
+    def forward(self, *batch: torch.Tensor | None, key: object = None):
         """Watch what autograd saves during one micro-batch's forward; weigh it when it ends."""
-        if not self.active:
+        if not self.watching:
             yield
             return
         skip = set(storages(self.model.parameters())) | set(storages(batch))
@@ -120,17 +143,25 @@ class MemoryMeter:
         # weighed now, after autocast's cast cache and FSDP's reshard have released what they
         # release: a storage resized to 0 weighs 0
         copies = {k: s for k, s in copies.items() if k not in acts}
-        v = self.values
-        v["activations"] = max(v["activations"], sum(s.nbytes() for s in acts.values()))
-        rest = sum(s.nbytes() for s in copies.values()) + storage_bytes(batch)
-        v["rest"] = max(v["rest"], rest)
+        self.held[key] = sum(s.nbytes() for s in acts.values())
+        self.peak_count = max(self.peak_count, len(self.held))
+        self.peak_bytes = max(self.peak_bytes, sum(self.held.values()))
+        if self.counting:
+            v = self.values
+            v["activations"] = max(v["activations"], self.peak_bytes)
+            rest = sum(s.nbytes() for s in copies.values()) + storage_bytes(batch)
+            v["rest"] = max(v["rest"], rest)
+
+    def backward_done(self, key: object = None) -> None:
+        """Micro-batch ``key``'s backward ran: what its forward saved is freed."""
+        self.held.pop(key, None)
 
     def grads(self) -> None:
-        if self.active:
+        if self.counting:
             self.values["grads"] = storage_bytes(p.grad for p in self.model.parameters())
 
     def step(self) -> None:
-        if not self.active:
+        if not self.counting:
             return
         self.values["params"] = storage_bytes(self.model.parameters())
         self.values["optimizer"] = storage_bytes(optimizer_tensors(self.optimizer))
@@ -140,3 +171,7 @@ class MemoryMeter:
         out = {f"mem_{c}_bytes": int(b) for c, b in self.values.items()}
         out["mem_rest_bytes"] += self.buffers
         return out
+
+    def peaks(self) -> dict:
+        """This step's micro-batches held at once, and their bytes (``every_step``)."""
+        return {"activations_peak": self.peak_count, "activation_bytes_peak": self.peak_bytes}

@@ -1,4 +1,4 @@
-"""Per-step, per-rank timing and memory probes: one flat record per (rank, step).
+"""Per-step, per-rank probes: each phase of a step on one clock, and the CPU the rank got.
 
 Phases: data (wait for the batch and move it), forward, backward, wait (time blocked waiting for
 the other ranks: at the load-balancing arrival point before the gradient sync,
@@ -16,48 +16,54 @@ schedstat: time on a CPU against time waiting in the run queue; waiting for a pe
 collective is sleeping, not waiting for a CPU, so it does not count). Below ~0.8 something
 else had the rank's core, and its timings are not comparable. Where schedstat is missing
 (macOS), the thread's CPU time over the wall time of forward + backward stands in. On CPU each
-boundary is a ``perf_counter`` read (~55 ns). On a GPU kernels run
+boundary is a ``perf_counter`` read. On a GPU kernels run
 asynchronously, so a CPU clock would time the launch, not the work: each boundary records a
 CUDA event instead, and the step ends with one synchronisation that resolves them all.
+
+Forwards run for measurement only (DDP's backward timed without communication,
+``backward_time_without_comm``) leave no trace on the model (``buffers_kept``).
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import statistics
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
-from torch.autograd.profiler import record_function
+from torch import nn
 
 PHASES = ("data", "forward", "backward", "wait", "comm", "sync_overhead", "optimizer", "other")
 TIME_COLUMNS = tuple(f"{p}_s" for p in PHASES) + ("step_s",)
 
 
 class StepProbe:
-    """``start()``, then ``mark(phase)`` after each phase, then ``finish(...)`` -> a record."""
+    """``start()``, then ``mark(phase)`` after each phase, then ``finish(...)``: the step's
+    timing columns (every phase of ``TIME_COLUMNS``, ``start_s``, ``compute_cpu_share``,
+    ``comm_total_s``). Records are built from them by ``labkit.rank.recorder``. ``stop()`` keeps
+    a step's raw readings for ``finish(step=...)`` later: the arithmetic need not run between
+    two steps, where the interpreter runs cold and every operation costs several times more.
 
-    def __init__(self, where: torch.device, **base):
+    The CPU share is read over the compute a rank owns: from the end of each ``data`` phase to
+    the end of the next ``backward`` (every micro-batch's forward and backward), or over the
+    whole step (``whole_step``: a pipeline stage, whose forwards and backwards interleave with
+    its receives). A step that had neither (a parameter server's update) has none: NaN."""
+
+    def __init__(self, where: torch.device, whole_step: bool = False):
         self.device = torch.device(where)
         self.cuda = self.device.type == "cuda"
         self.threads = torch.get_num_threads()
-        # strategy, world_size, rank, ... copied into each record
-        self.base = {**base, "threads": self.threads}
+        self.whole_step = whole_step
         self._marks: list[tuple[str, object]] = []
         self._cpu: dict[str, float] = {}
-        self._t0 = 0.0
+        self.started = 0.0
         self.sched = RunQueueClock(all_threads=self.threads > 1)
         self._sched0: tuple[float, float] | None = None  # at the start of a compute window
         self._ran = self._waited = 0.0
-        self.ranges = False  # name each phase in torch.profiler's trace (labkit.rank.profiler)
-        self._range = None
-
-    def begin(self, phase: str) -> None:
-        """Under torch.profiler (``ranges``), open ``phase``'s range; ``mark`` closes it."""
-        if self.ranges:
-            self._range = record_function(phase)
-            self._range.__enter__()
+        self._windows = 0
 
     def _now(self):
         if self.cuda:
@@ -67,139 +73,105 @@ class StepProbe:
         return time.perf_counter()
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()  # the shared clock: one CLOCK_MONOTONIC per machine
+        self.started = time.perf_counter()  # the shared clock: one CLOCK_MONOTONIC per machine
         self._ran = self._waited = 0.0
+        self._windows = 0
         self._marks = [("start", self._now())]
+        if self.whole_step:
+            self._open()
 
     def mark(self, phase: str) -> None:
         self._marks.append((phase, self._now()))
-        if self._range is not None:
-            self._range.__exit__(None, None, None)
-            self._range = None
-        if phase in ("data", "backward"):  # forward + backward: the compute a rank owns
-            if not self.sched.available:  # the fallback's clock (a syscall, ~30 us in a VM)
-                self._cpu[phase] = cpu_seconds(self.threads)
-            now = self.sched.read()
+        if not self.whole_step:
             if phase == "data":
-                self._sched0 = now
-            elif self._sched0 is not None and now is not None:  # close the compute window
-                self._ran += now[0] - self._sched0[0]
-                self._waited += now[1] - self._sched0[1]
-                self._sched0 = None
+                self._open()
+            elif phase == "backward":
+                self._close()
+
+    def _open(self) -> None:
+        if not self.sched.available:  # the fallback's clock: a syscall, read only without it
+            self._cpu["data"] = cpu_seconds(self.threads)
+        self._sched0 = self.sched.read()
+
+    def _close(self) -> None:
+        if not self.sched.available:
+            self._cpu["backward"] = cpu_seconds(self.threads)
+        now = self.sched.read()
+        self._windows += 1
+        if self._sched0 is not None and now is not None:  # close the compute window
+            self._ran += now[0] - self._sched0[0]
+            self._waited += now[1] - self._sched0[1]
+            self._sched0 = None
+
+    def stop(self) -> tuple:
+        """Close the step's clock: its raw readings, for ``finish`` and ``segments``."""
+        if self.whole_step:
+            self._close()
+        if self.cuda:  # the step's events resolve; the next step starts from an idle device
+            torch.cuda.synchronize(self.device)
+        return (self._marks, self.started, self._ran, self._waited, self._windows, dict(self._cpu))
 
     def finish(
         self,
-        step: int,
-        loss: float,
-        samples: int,
         *,
         comm_baseline_s: float | None = None,
         traffic: dict | None = None,
-        **extra,
+        step: tuple | None = None,
     ) -> dict:
-        """Close the step and return its record. ``loss`` is this rank's loss on its own samples
-        (``shard_loss``); ``labkit.records.finalize`` combines ranks into the global-batch ``loss``.
+        """A step's timing columns: the one just marked, or a ``stop()``-ed ``step``.
 
         ``comm_baseline_s``: the backward time measured with communication off (DDP under
         ``no_sync()``); whatever backward takes beyond it is sync time. ``traffic``: what the
-        step's process groups were handed (``labkit.wire.Traffic.take``). Exposed communication
-        is sync time while a collective was in flight: where every collective was timed, what
-        exceeds their time in flight is the sync machinery's own (``sync_overhead_s``: DDP's
-        bucket copies and callbacks, a hand-written average's divisions), not communication.
+        step's process groups were handed, with each collective's time in flight
+        (``labkit.wire.Traffic.take`` with ``timing`` on; None where collectives are not timed).
+        Exposed communication is sync time while a collective was in flight: where every
+        collective was timed, what exceeds their time in flight is the sync machinery's own
+        (``sync_overhead_s``: DDP's bucket copies and callbacks, a hand-written average's
+        divisions), not communication. ``comm_total_s``: seconds any collective was in flight
+        (hidden or exposed); where none is timed, the communication phase itself.
         """
-        traffic = traffic or {}
+        marks, started, ran, waited, windows, cpu = step or self.stop()
         if self.cuda:
-            torch.cuda.synchronize(self.device)
             elapsed = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731  ms -> s
         else:
             elapsed = lambda a, b: b - a  # noqa: E731
         times = dict.fromkeys(TIME_COLUMNS, 0.0)
-        for (_, t0), (phase, t1) in zip(self._marks, self._marks[1:]):
+        for (_, t0), (phase, t1) in zip(marks, marks[1:]):
             times[f"{phase}_s"] += elapsed(t0, t1)
-        times["step_s"] = elapsed(self._marks[0][1], self._marks[-1][1])
+        times["step_s"] = elapsed(marks[0][1], marks[-1][1])
         if comm_baseline_s is not None:
             exposed = max(0.0, times["backward_s"] - comm_baseline_s)
             times["comm_s"] += exposed
             times["backward_s"] -= exposed
-        in_flight = traffic.get("comm_in_flight_s")
+        in_flight = None if traffic is None else traffic.get("comm_in_flight_s")
         if in_flight is not None and traffic["comm_calls"] and not traffic["comm_untimed"]:
             excess = max(0.0, times["comm_s"] - in_flight)
             times["comm_s"] -= excess
             times["sync_overhead_s"] += excess
-        share = (
-            (self._ran / (self._ran + self._waited) if self._ran + self._waited > 0 else 1.0)
-            if self.sched.available
-            else None
-        )
+        times["start_s"] = started
         compute = times["forward_s"] + times["backward_s"]
-        if (
-            share is None
-            and not self.cuda
-            and compute > 0
-            and {"data", "backward"} <= set(self._cpu)
-        ):
-            share = (self._cpu["backward"] - self._cpu["data"]) / compute
-        share = float("nan") if share is None else share
-        return record(
-            self.base,
-            step,
-            loss,
-            samples,
-            times,
-            start_s=self._t0,
-            cpu_share=share,
-            device=self.device,
-            comm_bytes=traffic.get("comm_bytes", 0),
-            comm_calls=traffic.get("comm_calls", 0),
-            comm_payload_bytes=traffic.get("comm_payload_bytes", 0),
-            comm_total_s=traffic.get("comm_in_flight_s", times["comm_s"]),
-            **extra,
-        )
+        times["compute_cpu_share"] = self._share(ran, waited, windows, cpu, compute)
+        times["comm_total_s"] = times["comm_s"] if in_flight is None else in_flight
+        return times
 
+    def segments(self, step: tuple) -> list[tuple[str, float, float]]:
+        """A ``stop()``-ed step's phases in the order they ran, each (phase, start, end) on the
+        shared clock (on a GPU, each mark's time from the step's start)."""
+        marks, started = step[0], step[1]
+        if self.cuda:
+            at = [started] + [started + marks[0][1].elapsed_time(t) / 1e3 for _, t in marks[1:]]
+        else:
+            at = [t for _, t in marks]
+        return [(phase, a, b) for (phase, _), a, b in zip(marks[1:], at, at[1:])]
 
-def record(
-    base: dict,
-    step: int,
-    shard_loss: float | None,
-    samples: int,
-    times: dict,
-    *,
-    start_s: float,
-    cpu_share: float,
-    device: torch.device,
-    comm_bytes: int,
-    comm_calls: int = 0,
-    comm_payload_bytes: int = 0,
-    **extra,
-) -> dict:
-    """The one place a record is made (``StepProbe.finish``, the pipeline loop, the parameter
-    server): the run's identity (``base``: strategy, world_size, rank, ...), the step, this rank's
-    loss on its own samples (None: it has none, e.g. a pipeline stage before the last), every
-    phase of ``TIME_COLUMNS`` (0 for a phase this step did not have), the clock reading the
-    step started at, the CPU share, the memory high-water mark and the bytes communicated; a
-    strategy's own columns last."""
-    return {
-        **base,
-        "step": step,
-        "shard_loss": float("nan") if shard_loss is None else float(shard_loss),
-        "samples": int(samples),
-        **{c: float(times.get(c, 0.0)) for c in TIME_COLUMNS},
-        "start_s": start_s,
-        "compute_cpu_share": cpu_share,
-        "peak_mem_bytes": peak_memory(device),
-        "comm_bytes": _count(comm_bytes),
-        "comm_calls": _count(comm_calls),
-        "comm_payload_bytes": _count(comm_payload_bytes),
-        # seconds any collective was in flight (hidden or exposed); where none is timed, the
-        # communication phase itself
-        "comm_total_s": float(extra.pop("comm_total_s", times.get("comm_s", 0.0))),
-        **extra,
-    }
-
-
-def _count(n: float) -> int | float:
-    """A whole count, or NaN where nothing could count it (``labkit.wire.COUNTING``)."""
-    return int(n) if n == n else float("nan")
+    def _share(self, ran, waited, windows, cpu, compute: float) -> float:
+        if not windows:
+            return float("nan")
+        if self.sched.available:
+            return ran / (ran + waited) if ran + waited > 0 else 1.0
+        if not self.cuda and compute > 0 and {"data", "backward"} <= set(cpu):
+            return (cpu["backward"] - cpu["data"]) / compute
+        return float("nan")
 
 
 class RunQueueClock:
@@ -271,8 +243,8 @@ def sync(device: torch.device) -> None:
 
 
 def probe_overhead_s(device: torch.device | str = "cpu", steps: int = 2000) -> float:
-    """Seconds a StepProbe adds to one step (start, 5 marks, finish) with no work in between."""
-    probe = StepProbe(torch.device(device), strategy="overhead")
+    """Seconds a StepProbe adds to one step (start, a mark per phase, finish) with no work."""
+    probe = StepProbe(torch.device(device))
     for _ in range(50):  # warm up
         _one_empty_step(probe)
     t0 = time.perf_counter()
@@ -285,9 +257,40 @@ def _one_empty_step(probe: StepProbe) -> dict:
     probe.start()
     for phase in PHASES:
         probe.mark(phase)
-    return probe.finish(0, 0.0, 0)
+    return probe.finish()
 
 
 def grad_bytes(model: torch.nn.Module) -> int:
     """Bytes of gradient each rank all-reduces per step (one copy of every trainable parameter)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+@contextmanager
+def buffers_kept(model: nn.Module):
+    """Run measurement-only forwards without a trace: BatchNorm's running statistics and
+    counters are restored afterwards, so the trained model is what training alone made."""
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[name])
+
+
+def backward_time_without_comm(model, loss_fn, batch, device, repeats: int = 5) -> float:
+    """Median backward time under DDP's ``no_sync()`` (no all-reduce); grads are cleared after
+    and buffers restored."""
+    x, y = (t.to(device) for t in batch)
+    times = []
+    with buffers_kept(model):
+        for _ in range(repeats):
+            with model.no_sync():
+                loss = loss_fn(model(x), y)
+                sync(device)
+                t0 = time.perf_counter()
+                loss.backward()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)

@@ -24,8 +24,6 @@ timeout (``cfg.timeout_s``), and the launcher stops every rank on any failure.
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,9 +32,9 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
-from ..rank.loop import Progress, build_model, data_iter, final_state, train_loop
-from ..rank.probes import record
-from ..wire import traffic
+from ..rank.balancer import straggler
+from ..rank.loop import build_model, data_iter, final_state, train_loop
+from ..rank.watch import Watch
 
 PUSH, DONE = 1.0, 2.0
 HEADER = 4  # kind, version, loss, samples
@@ -114,7 +112,8 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
 
 
 def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Module) -> dict:
-    """Rank 0: answer pushes in arrival order until every worker is done; one record per update."""
+    """Rank 0: answer pushes in arrival order until every worker is done; one record per update:
+    its wait for a push, the update, the reply (the watch times and records them)."""
     workers = ctx.world_size - 1
     server = ParameterServer(
         flat_params(model), lambda ps: fns.optimizer(cfg, ps), staleness_lr=cfg.staleness_lr
@@ -131,16 +130,16 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
     for w in range(1, workers + 1):  # the first pull
         answer(w)
     inbox = torch.empty(n + HEADER)
-    warmup_updates = workers * cfg.warmup
     # the run ends after workers x steps applied updates (plus warm-up), whoever made them
     budget = workers * (cfg.warmup + cfg.steps)
     stop = torch.full((n + 1,), -1.0)
-    progress = Progress(ctx, workers * cfg.steps)
-    records, done, last, wire = [], 0, time.perf_counter(), traffic()
-    wire.take()
+    watch = Watch(cfg, ctx, spans=False, warmup=workers * cfg.warmup, role="server")
+    watch.begin(budget)
+    watch.step_start(server.version)  # a step: from one applied update to the next
+    done = 0
     while done < workers:
-        src = dist.recv(inbox)  # from any worker; bounded by the group's timeout
-        t1 = time.perf_counter()
+        with watch.phase("wait"):
+            src = dist.recv(inbox)  # from any worker; bounded by the group's timeout
         kind, version, loss, samples = inbox[:HEADER].tolist()
         if kind == DONE:
             done += 1
@@ -148,57 +147,21 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
         if server.version >= budget:  # the run has its updates: this one is not applied
             dist.send(stop, dst=src)
             continue
-        server.push(src, inbox[HEADER:], int(version), loss=loss, samples=samples)
-        t2 = time.perf_counter()
-        answer(src)
-        t3 = time.perf_counter()
-        sent = wire.take()  # the push received, the reply sent (and stops since the last one)
-        step = server.version - 1 - warmup_updates
-        if step >= 0:  # the server's time between updates: waiting, applying, replying
-            times = {"wait_s": t1 - last, "optimizer_s": t2 - t1, "comm_s": t3 - t2}
-            records.append(update_record(cfg, ctx, server, step, last, t3, times, sent, src))
-            progress(step + 1, loss, int(samples))
-        last = t3
+        with watch.phase("optimizer"):
+            server.push(src, inbox[HEADER:], int(version), loss=loss, samples=samples)
+        with watch.phase("comm"):
+            answer(src)
+        update = server.log[-1]
+        watch.step_end(  # the push received, the reply sent (and stops since the last one)
+            [(loss, int(samples))],
+            worker=src,
+            staleness=update["staleness"],
+            lr_scale=update["lr_scale"],
+            grad_version=update["grad_version"],
+        )
+        watch.step_start(server.version)
     load_flat(model, server.param.detach())
-    return {
-        "records": records,
-        "notes": [],
-        "params": final_state(cfg, model),
-        "updates": server.version,
-    }
-
-
-def update_record(cfg, ctx, server, step, start, end, times, sent, worker) -> dict:
-    """The server's record of one applied update: its times, the bytes it received and sent,
-    which worker it came from and how stale its gradient was."""
-    entry = server.log[-1]
-    base = {
-        "strategy": "async_ps",
-        "world_size": cfg.world_size,
-        "rank": 0,
-        "device": str(ctx.device),
-        "global_batch": cfg.global_batch,
-        "accumulate": 1,
-        "threads": torch.get_num_threads(),
-    }
-    return record(
-        base,
-        step,
-        entry["loss"],
-        entry["samples"],
-        {**times, "step_s": end - start},
-        start_s=start,
-        cpu_share=float("nan"),
-        device=ctx.device,
-        comm_bytes=sent["comm_bytes"],
-        comm_calls=sent["comm_calls"],
-        comm_payload_bytes=sent["comm_payload_bytes"],
-        role="server",
-        worker=worker,
-        staleness=entry["staleness"],
-        lr_scale=entry["lr_scale"],
-        grad_version=entry["grad_version"],
-    )
+    return {**watch.result(final_state(cfg, model)), "updates": server.version}
 
 
 def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Module) -> dict:
@@ -238,26 +201,22 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
             last_loss[0], last_loss[1] = float(loss.detach()), len(y)
             return loss
 
-    tapped = dataclasses.replace(fns, loss_fn=lambda cfg: LossTap())
     try:
         out = train_loop(
             cfg,
             ctx,
             model,
             data,
-            fns=tapped,
+            fns=fns,
+            loss_fn=LossTap(),
             sync_grads=exchange,
             until=lambda: version[0] < 0,
             steps=workers * (cfg.warmup + cfg.steps) - cfg.warmup,
+            # the server's records carry the loss per update; a worker's is its own
+            watch=Watch(cfg, ctx, straggler(cfg, ctx), role="worker", loss_as="worker_loss"),
         )
     finally:
         outbox.zero_()
         outbox[0] = DONE
         dist.send(outbox, dst=0)
-    for rec in out["records"]:  # the server's records carry the loss per update
-        rec["role"], rec["worker_loss"], rec["shard_loss"] = (
-            "worker",
-            rec["shard_loss"],
-            float("nan"),
-        )
     return out

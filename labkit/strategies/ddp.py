@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
+from ..rank.balancer import balanced
 from ..rank.ddp_knobs import bucket_cap_mb, comm_hook
 from ..rank.loop import build_model, data_iter, train_loop
 
@@ -30,6 +31,9 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     if cfg.comm_hook != "none":
         ddp_model.register_comm_hook(*comm_hook(cfg, notes))
     data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
-    out = train_loop(cfg, ctx, ddp_model, data, fns=fns)
+    if cfg.balancing:  # a straggler, skewed data, shares that follow speed: rank/balancer.py
+        out = balanced(cfg, ctx, ddp_model, data, fns=fns)
+    else:
+        out = train_loop(cfg, ctx, ddp_model, data, fns=fns)
     out["notes"] += notes
     return out

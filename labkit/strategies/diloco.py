@@ -20,7 +20,9 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
+from ..rank.balancer import straggler
 from ..rank.loop import build_model, data_iter, train_loop
+from ..rank.watch import Watch
 
 
 def outer_optimizer(global_params: list[torch.Tensor], lr: float, momentum: float):
@@ -80,6 +82,9 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
             "outer_momentum): your optimizer_fn was not used"
         ]
     )
-    out = train_loop(cfg, ctx, model, data, fns=fns, optimizer=inner, after_step=after_step)
+    watch = Watch(cfg, ctx, straggler(cfg, ctx))  # the lab's straggler, if it has one
+    out = train_loop(
+        cfg, ctx, model, data, fns=fns, optimizer=inner, after_step=after_step, watch=watch
+    )
     out["notes"] += notes
     return out

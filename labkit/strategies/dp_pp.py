@@ -14,9 +14,9 @@ from __future__ import annotations
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import RunConfig
-from ..dist import RankContext, all_reduce_flat, clock_offset
+from ..dist import RankContext, all_reduce_flat
 from ..factories import Factories
-from ..rank.stages import ActivationMeter, EventLog, make_stage, train_stages
+from ..rank.stages import make_stage, stage_watch, train_stages
 from .pipeline import scratch_schedule
 
 
@@ -26,9 +26,9 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     replicas = mesh.get_group("dp")  # the ranks holding this rank's stage in every replica
     stage = make_stage(cfg, ctx, fns)
     optimizer = fns.optimizer(cfg, stage.module.parameters())
-    meter = ActivationMeter(stage.module)
-    log = EventLog(stage.index, ctx.device, clock_offset(ctx))
-    step_fn = scratch_schedule(cfg, ctx, stage, meter, log, "1f1b", fns.loss(cfg))
+    replica = ctx.rank // cfg.stages
+    watch = stage_watch(cfg, ctx, stage, "1f1b", "scratch", replica)
+    step_fn = scratch_schedule(cfg, ctx, stage, watch, "1f1b", fns.loss(cfg))
 
     def average_over_replicas() -> None:  # one message: every gradient of this stage
         grads = [p.grad for p in stage.module.parameters() if p.grad is not None]
@@ -36,19 +36,16 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         for g in grads:
             g /= dp
 
-    notes = [f"replica {ctx.rank // cfg.stages} of {dp}: stage {stage.index} of {cfg.stages}"]
-    return train_stages(
+    out = train_stages(
         cfg,
         ctx,
         stage,
         step_fn,
         optimizer=optimizer,
-        meter=meter,
-        log=log,
-        schedule="1f1b",
-        impl="scratch",
-        notes=notes,
-        replica=ctx.rank // cfg.stages,
+        watch=watch,
+        replica=replica,
         replicas=dp,
         sync_grads=average_over_replicas if dp > 1 else None,
     )
+    out["notes"].insert(0, f"replica {replica} of {dp}: stage {stage.index} of {cfg.stages}")
+    return out

@@ -25,7 +25,9 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
+from ..rank.balancer import straggler
 from ..rank.loop import build_model, data_iter, final_state, train_loop
+from ..rank.watch import Watch
 
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -93,6 +95,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         after_step=after_step,
         until=lambda: float(counts.sum()) >= budget,
         steps=budget - cfg.warmup,
+        watch=Watch(cfg, ctx, straggler(cfg, ctx)),  # the lab's straggler, if it has one
     )
     dist.barrier()  # every update has landed: all ranks read one model
     out["shared_updates"] = int(float(counts.sum()))

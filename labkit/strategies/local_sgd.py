@@ -22,7 +22,9 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
 from ..factories import Factories
+from ..rank.balancer import straggler
 from ..rank.loop import build_model, data_iter, train_loop
+from ..rank.watch import Watch
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
@@ -47,4 +49,5 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         state["rounds"] += int(due)
         return {"averaged": int(due), "rounds": state["rounds"], "period": cfg.period}
 
-    return train_loop(cfg, ctx, model, data, fns=fns, after_step=after_step)
+    watch = Watch(cfg, ctx, straggler(cfg, ctx))  # the lab's straggler, if it has one
+    return train_loop(cfg, ctx, model, data, fns=fns, after_step=after_step, watch=watch)

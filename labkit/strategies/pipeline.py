@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from .. import registry
 from ..config import RunConfig
-from ..dist import RankContext, clock_offset
+from ..dist import RankContext
 from ..factories import Factories
-from ..predict.schedule import stage_actions
-from ..rank.stages import ActivationMeter, EventLog, Stage, StepOut, make_stage, train_stages
+from ..pipeline_schedules import stage_actions
+from ..rank.stages import Stage, make_stage, stage_watch, train_stages
+from ..rank.watch import Watch
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
@@ -31,44 +32,28 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     stage = make_stage(cfg, ctx, fns)
     optimizer = fns.optimizer(cfg, stage.module.parameters())
     loss_fn = fns.loss(cfg)
-    meter = ActivationMeter(stage.module)
-    log = EventLog(stage.index, ctx.device, clock_offset(ctx))
+    watch = stage_watch(cfg, ctx, stage, schedule, cfg.pipeline_impl)
     notes = [
         f"stage {stage.index} holds blocks {stage.bounds[stage.index]}.."
         f"{(stage.bounds + [None])[stage.index + 1] or 'end'} (bounds {stage.bounds}"
         f"{', balanced by measured cost' if cfg.balance_stages else ', equal layer counts'})"
     ]
     if cfg.pipeline_impl == "torch":  # model_parallel.run has already set "scratch"
-        step_fn = torch_schedule(cfg, ctx, stage, meter, log, schedule, loss_fn)
+        step_fn = torch_schedule(cfg, ctx, stage, watch, schedule, loss_fn)
         notes.append(
             "torch impl: events time the stage's forward_one_chunk/backward_one_chunk "
             "calls inside torch.distributed.pipelining's schedule (compute only; its "
             "send/recv waits fall between them)"
         )
     else:
-        step_fn = scratch_schedule(cfg, ctx, stage, meter, log, schedule, loss_fn)
-    return train_stages(
-        cfg,
-        ctx,
-        stage,
-        step_fn,
-        optimizer=optimizer,
-        meter=meter,
-        log=log,
-        schedule=schedule,
-        impl=cfg.pipeline_impl,
-        notes=notes,
-    )
+        step_fn = scratch_schedule(cfg, ctx, stage, watch, schedule, loss_fn)
+    out = train_stages(cfg, ctx, stage, step_fn, optimizer=optimizer, watch=watch)
+    out["notes"] = notes + out["notes"]
+    return out
 
 
 def scratch_schedule(
-    cfg: RunConfig,
-    ctx: RankContext,
-    stage: Stage,
-    meter: ActivationMeter,
-    log: EventLog,
-    schedule: str,
-    loss_fn,
+    cfg: RunConfig, ctx: RankContext, stage: Stage, watch: Watch, schedule: str, loss_fn
 ):
     """A step function running ``schedule`` with blocking recv and asynchronous sends.
 
@@ -82,18 +67,18 @@ def scratch_schedule(
 
     def recv(like: torch.Tensor, src: int) -> torch.Tensor:
         buf = torch.empty(like.shape, dtype=like.dtype, device=ctx.device)
-        with log.comm():
+        with watch.phase("comm"):
             dist.recv(buf, src=src)
         return buf
 
-    def step(x, y) -> StepOut:
-        xs = x.chunk(M) if stage.first else None
-        ys = y.chunk(M) if stage.last else None
+    def step(x, y) -> float | None:
+        xs = x.chunk(M) if stage.first else [None] * M
+        ys = y.chunk(M) if stage.last else [None] * M
         held, sends, losses = {}, [], []
         for kind, m in actions:
             if kind == "F":
                 inp = xs[m] if stage.first else recv(stage.inp, prev).requires_grad_()
-                with log.time("F", m), meter.forward(m):
+                with watch.phase("forward", xs[m], ys[m], microbatch=m):  # with its data
                     out = stage.module(inp)
                     if stage.last:  # mean over this micro-batch / M = share of the global mean
                         out = loss_fn(out, ys[m]) / M
@@ -105,33 +90,27 @@ def scratch_schedule(
             else:
                 inp, out = held.pop(m)
                 grad = None if stage.last else recv(stage.out, nxt)
-                with log.time("B", m):
+                with watch.phase("backward", microbatch=m):
                     torch.autograd.backward(out, grad)
-                meter.backward_done(m)
                 if not stage.first:
                     sends.append((dist.isend(inp.grad, dst=prev), inp))
-        with log.comm():
+        with watch.phase("comm"):
             for work, _ in sends:
                 work.wait()
-        return StepOut(log, float(sum(losses)) if stage.last else None)
+        return float(sum(losses)) if stage.last else None
 
     return step
 
 
 def torch_schedule(
-    cfg: RunConfig,
-    ctx: RankContext,
-    stage: Stage,
-    meter: ActivationMeter,
-    log: EventLog,
-    schedule: str,
-    loss_fn,
+    cfg: RunConfig, ctx: RankContext, stage: Stage, watch: Watch, schedule: str, loss_fn
 ):
     """A step function driving ``torch.distributed.pipelining`` on this rank's stage.
 
     The library gives no per-micro-batch timings, so we wrap this stage object's own
     ``forward_one_chunk``/``backward_one_chunk`` (the calls its schedules make per micro-batch)
-    with a clock; the schedule, the send/recv and the gradient scaling are the library's.
+    in the watch's phases; the schedule, the send/recv and the gradient scaling are the
+    library's.
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -141,24 +120,21 @@ def torch_schedule(
     sched = cls(pstage, cfg.microbatches, loss_fn=loss_fn, scale_grads=True)
     forward_one_chunk, backward_one_chunk = pstage.forward_one_chunk, pstage.backward_one_chunk
 
-    def timed_forward(chunk_id, *args, **kwargs):
-        with log.time("F", chunk_id), meter.forward(chunk_id):
-            return forward_one_chunk(chunk_id, *args, **kwargs)
+    def timed_forward(chunk_id, args=(), *rest, **kwargs):
+        with watch.phase("forward", *(args or ()), microbatch=chunk_id):  # the first: its data
+            return forward_one_chunk(chunk_id, args, *rest, **kwargs)
 
     def timed_backward(chunk_id, *args, **kwargs):
-        with log.time("B", chunk_id):
-            out = backward_one_chunk(chunk_id, *args, **kwargs)
-        meter.backward_done(chunk_id)
-        return out
+        with watch.phase("backward", microbatch=chunk_id):
+            return backward_one_chunk(chunk_id, *args, **kwargs)
 
     pstage.forward_one_chunk, pstage.backward_one_chunk = timed_forward, timed_backward
 
-    def step(x, y) -> StepOut:
+    def step(x, y) -> float | None:
         losses: list[torch.Tensor] = []
         args = (x,) if stage.first else ()
         kwargs = {"target": y, "losses": losses} if stage.last else {}
         sched.step(*args, **kwargs)
-        loss = float(torch.stack(losses).detach().mean()) if stage.last else None
-        return StepOut(log, loss)
+        return float(torch.stack(losses).detach().mean()) if stage.last else None
 
     return step

@@ -2,20 +2,20 @@
 (so Stop stays clickable), per-rank progress bars move live, and the results are drawn into the
 panel's output when the run ends.
 
-Two facts about Jupyter this file relies on (checked with JupyterLab 4.6, ipykernel 7.4,
-ipywidgets 8.1.9, plotly 7.1, in headless Chromium 156):
+Three facts about Jupyter this file relies on (the versions they were checked with:
+benchmarks/README.md, "Behind the code"):
 
 * From a thread started by a button click, ``Output.clear_output()`` + ``with out: display()``
-  renders nothing (2 of 2 tries here, 3 of 3 before): the display messages carry the click's
+  renders nothing: the display messages carry the click's
   parent header, not the Output widget's, so the browser never routes them to it. Setting the
   widget's ``outputs`` trait instead is a plain state update, which the browser applies from any
   thread: labkit builds the mime bundles itself (plotly's ``application/vnd.plotly.v1+json``
-  from ``fig.to_json()``, a DataFrame's HTML) and assigns them (rendered 2 of 2).
+  from ``fig.to_json()``, a DataFrame's HTML) and assigns them.
 * The kernel's Interrupt is a SIGINT that an idle ipykernel ignores (it installs SIG_IGN and
   restores it after every cell and every click), so a run in a thread never hears it. The panel
   wraps the handler ipykernel restores (``kernel.saved_sigint_handler``): on SIGINT it stops
   every running panel, then does what ipykernel would have done.
-* JupyterLab 4.6 sends widget messages over kernel subshells (``commsOverSubshells``), and a
+* JupyterLab sends widget messages over kernel subshells (``commsOverSubshells``), and a
   button whose state a message changed (Run disabled by "cannot run", then enabled) delivers its
   clicks on a ``subshell-...`` thread. Python installs signal handlers only from the main thread,
   so the wrapper above is installed when the panel is built (in a cell, on the main thread),

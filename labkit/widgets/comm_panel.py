@@ -10,9 +10,9 @@ import ipywidgets as W
 import pandas as pd
 
 from .. import experiment
-from ..comm import knob_label, knob_rows
 from ..config import RunConfig
 from ..env import oversubscription, probe
+from ..labs.comm import knob_label, knob_rows
 from ..plots import communication as charts
 from .base import BackgroundRun
 

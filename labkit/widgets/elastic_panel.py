@@ -11,7 +11,7 @@ import time
 import ipywidgets as W
 
 from ..config import RunConfig
-from ..elastic import ElasticJob, changes
+from ..labs.elastic import ElasticJob, changes
 from ..launch import LaunchCancelled
 from ..plots.elastic import elastic_timeline
 from .base import BackgroundRun

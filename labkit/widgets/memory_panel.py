@@ -14,10 +14,10 @@ import psutil
 from .. import experiment
 from ..config import PRECISIONS, RunConfig
 from ..env import matmul_flops_per_s, resolve_device
-from ..memory import CATEGORIES, adam, calculator_error, memory_table, predict
+from ..labs.compute_profile import flops_per_sample
+from ..labs.memory import CATEGORIES, adam, calculator_error, memory_table, predict
 from ..plots import memory as charts
 from ..predict.step import compute_floor_s
-from ..profile import flops_per_sample
 from .base import BackgroundRun, mime_output
 
 _OPTIMIZERS = {"SGD with momentum": "sgd_momentum", "Adam": "adam"}

@@ -10,10 +10,10 @@ import threading
 import ipywidgets as W
 import pandas as pd
 
+from ..labs.sched import sim, traces
+from ..labs.sched.policies import POLICIES
 from ..launch import LaunchCancelled
 from ..plots import scheduling as charts
-from ..sched import sim, traces
-from ..sched.policies import POLICIES
 from .base import BackgroundRun
 
 

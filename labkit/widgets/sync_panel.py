@@ -9,8 +9,9 @@ import threading
 import ipywidgets as W
 import pandas as pd
 
-from .. import experiment, sync_async
+from .. import experiment
 from ..config import RunConfig
+from ..labs import sync_async
 from ..plots import sync_async as charts
 from ..records import config_label, kept_apart
 from ..registry import SYNC_ASYNC

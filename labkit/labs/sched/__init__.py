@@ -1,7 +1,7 @@
 """The cluster-scheduling lab (notebook 08): jobs with throughput curves, traces, policies, an
 event-driven simulator, and a real replay on this machine's cores to check it against.
 
-    from labkit.sched import traces, sim
+    from labkit.labs.sched import traces, sim
     jobs = traces.generate(200, rate_per_hour=2.0, seed=0)
     table, runs = sim.compare(jobs, "4x8", ["fifo", "las", "elastic"])
 """

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..predict.collectives import CollectiveModel
-from ..predict.step import Layer, Profile, scaling
-from ..predict.whatif import DEVICES, INTERCONNECTS
+from ...predict.collectives import CollectiveModel
+from ...predict.step import Layer, Profile, scaling
+from ...predict.whatif import DEVICES, INTERCONNECTS
 
 INTRA_NODE = "NVLink 4 (H100)"  # default links inside a node and between nodes
 INTER_NODE = "400 Gb/s InfiniBand (NDR)"
@@ -243,28 +243,4 @@ def resolve_curve(name: str, curves: Mapping[str, Curve] | None = None) -> Curve
     raise ValueError(
         f"unknown curve {name!r}: choose one of {', '.join(known)} or pass "
         f"curves={{'{name}': Curve(...)}}"
-    )
-
-
-def jobs_table(jobs: Sequence[Job]):
-    """One row per job: request, work, outcome."""
-    import pandas as pd
-
-    return pd.DataFrame(
-        [
-            {
-                "job_id": j.job_id,
-                "arrival_s": j.arrival_s,
-                "gpus": j.gpus,
-                "priority": j.priority,
-                "work": j.work,
-                "curve": j.curve.name,
-                "start_s": j.start_s,
-                "finish_s": j.finish_s,
-                "jct_s": j.jct_s,
-                "restarts": j.restarts,
-                "gpu_hours": j.gpu_seconds / 3600,
-            }
-            for j in jobs
-        ]
     )

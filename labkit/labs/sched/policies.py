@@ -1,7 +1,7 @@
 """Scheduling policies: who gets GPUs, in what order, and whether a running job can lose them.
 
 A policy is a ranking of jobs (``key``: smaller is served first) plus a few flags the simulator
-(``labkit.sched.sim``) reads:
+(``labkit.labs.sched.sim``) reads:
 
 * ``preemptive``: a waiting job may take GPUs from running jobs ranked strictly below it;
 * ``round_s``: the whole allocation is recomputed every round (time-sharing policies whose
@@ -21,10 +21,9 @@ Policies (the papers they follow, in the simplified form a teaching simulator ca
 ``las``        Tiresias' discretised two-dimensional least attained service (Gu et al.,
                NSDI'19): a job's attained service is GPUs x seconds it has held; queues split at
                ``thresholds`` (GPU-seconds; default 0.5, 5 and 50 GPU-hours, chosen on generated
-               traces of seeds 0-5, where LAS then beat FIFO on 6 of 6 against 1 of 6 with one
-               1-GPU-hour boundary; on seeds 100-105, kept apart from that choice, 4 of 6), lower
-               queue first, arrival order inside a queue; preemptive. Tiresias' starvation guard
-               (promotion after a long wait) is left out.
+               traces: benchmarks/README.md, "Behind the code"), lower queue first, arrival
+               order inside a queue; preemptive. Tiresias' starvation guard (promotion after a
+               long wait) is left out.
 ``maxmin``     max-min fairness of normalised throughput (Gavel's ``max_min_fairness``, as rounds):
                each round runs the jobs that have held their requested GPUs for the smallest share
                of their time in the system.

@@ -15,8 +15,8 @@ What is measured first (``calibrate``) and handed to the simulator:
 * ``restart_s``: the same for a run that resumes a checkpoint (load included).
 
 The executor decides with the simulator's own policy objects and allocation functions
-(``labkit.sched.policies``): only the clock and the progress are real. Every job runs in its own
-thread calling ``labkit.experiment.run``; stopping one sets its cancel event, which terminates
+(``labkit.labs.sched.policies``): only the clock and the progress are real. Every job runs in its
+own thread calling ``labkit.experiment.run``; stopping one sets its cancel event, which terminates
 and reaps its ranks (``labkit.launch``); on any error or interrupt every job is stopped the same
 way, so no process is left behind.
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from ..config import RunConfig
+from ...config import RunConfig
 from .jobs import Curve, Job
 from .policies import elastic_targets, greedy_targets, make_policy
 from .sim import Cluster, _State, metrics, simulate
@@ -123,9 +123,9 @@ def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
     from the checkpoint timeline's step stamps (``labkit.rank.resume``), so it includes writing a
     checkpoint after every step, as the replay does; the rest of the wall time is start-up
     (launch, model build, resume) and teardown."""
-    from ..experiment import run
-    from ..rank.resume import read_timeline
-    from ..records import BUSY_SHARE
+    from ...experiment import run
+    from ...rank.resume import read_timeline
+    from ...records import BUSY_SHARE
 
     t0 = time.perf_counter()
     res = run(cfg, cancel=cancel)
@@ -226,8 +226,8 @@ class _Handle:
         self.thread.start()
 
     def _run(self) -> None:
-        from ..experiment import run
-        from ..launch import LaunchCancelled
+        from ...experiment import run
+        from ...launch import LaunchCancelled
 
         try:
             run(
@@ -248,7 +248,7 @@ class _Handle:
 
 
 def _checkpointed_step(folder: str) -> int:
-    from ..rank.resume import read_timeline
+    from ...rank.resume import read_timeline
 
     steps = [r["step"] for r in read_timeline(folder) if r.get("event") == "checkpoint"]
     return max(steps, default=0)
@@ -329,7 +329,7 @@ def execute(
     try:
         while pending or active:
             if cancel is not None and cancel.is_set():
-                from ..launch import LaunchCancelled
+                from ...launch import LaunchCancelled
 
                 raise LaunchCancelled("the replay was stopped")
             t = now()

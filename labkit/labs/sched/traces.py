@@ -12,7 +12,7 @@ CSV columns (one job per row; ``#`` lines are comments)::
     job_id,arrival_s,gpus,priority,duration_s,curve
 
 ``duration_s`` is how long the job runs alone on ``gpus`` GPUs of one node; its work in samples is
-``duration_s x curve(gpus)``. ``curve`` names a curve (``labkit.sched.jobs.PRESETS`` or yours).
+``duration_s x curve(gpus)``. ``curve`` names a curve (``labkit.labs.sched.jobs.PRESETS`` or yours).
 """
 
 from __future__ import annotations
