@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
 
-.PHONY: install demo test lint test-py test-nb test-browser chromium lab docs bench gpu-check clean
+.PHONY: install demo test lint test-unit test-py test-nb test-browser chromium lab docs bench \
+	gpu-check clean
 
 install: $(STAMP)
 
@@ -26,15 +27,19 @@ lint: $(STAMP)          ## ruff (lint and format check), import-linter (the laye
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-test-py: $(STAMP)
-	$(BIN)/python -m pytest tests --ignore=tests/test_browser.py
+test-unit: $(STAMP)     ## the fast suite, to run after every edit: no test in it starts a process
+	$(BIN)/python -m pytest tests/unit
+
+test-py: $(STAMP)       ## tests/unit, tests/ranks (ranks, subprocesses), tests/course but the browser
+	$(BIN)/python -m pytest tests/unit tests/ranks tests/course \
+		--ignore=tests/course/test_browser.py
 
 test-nb: $(STAMP)
 	$(BIN)/python -m pytest $(NBVAL) notebooks
 
 test-browser: $(STAMP) chromium   ## JupyterLab in headless Chromium: Run All, then click
 	LABKIT_REQUIRE_BROWSER=$$(test "$$(id -u)" = 0 && command -v apt-get >/dev/null && echo 1) \
-	$(BIN)/python -m pytest -ra tests/test_browser.py
+	$(BIN)/python -m pytest -ra tests/course/test_browser.py
 
 chromium:               ## Debian's Chromium (Playwright cannot download its own browser here)
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \

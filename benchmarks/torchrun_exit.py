@@ -3,7 +3,7 @@
 DDP's reducer sits in reference cycles that can keep gloo work alive until interpreter shutdown,
 where a rank then aborts with "terminate called without an active exception" (pytorch#179291).
 ``labkit.dist.session()`` collects garbage before destroying the group; this runs the tested
-torchrun command (tests/test_cli.py) N times and counts the runs that failed or aborted.
+torchrun command (tests/ranks/test_cli.py) N times and counts the runs that failed or aborted.
 
     .venv/bin/python benchmarks/torchrun_exit.py --runs 70
 

@@ -28,7 +28,7 @@ PRELOAD = [
     "labkit.launch",
     "labkit.strategies.ddp",
     "labkit.strategies.ddp_naive",
-    "labkit.strategies.dp",
+    "labkit.strategies.dataparallel",
     "labkit.strategies.single",
     "labkit.strategies.model_parallel",
     "labkit.strategies.pipeline",
@@ -84,8 +84,16 @@ def ensure_running(ctx) -> None:
 
 
 def start_in_kernel() -> bool:
-    """``start()`` inside a Jupyter kernel (or with LABKIT_PREWARM=1); elsewhere, a script or
-    the CLI starts the forkserver on its first launch."""
-    if "ipykernel" in sys.modules or os.environ.get("LABKIT_PREWARM") == "1":
+    """``start()`` inside a Jupyter kernel (or with LABKIT_PREWARM=1); elsewhere, a script, the
+    CLI or pytest starts the forkserver on its first launch."""
+    if _in_kernel() or os.environ.get("LABKIT_PREWARM") == "1":
         return start()
     return False
+
+
+def _in_kernel() -> bool:
+    """This process is a running Jupyter kernel, not one that merely imported ipykernel (pytest
+    does, through nbval's plugin)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None

@@ -158,8 +158,10 @@ class RunConfig:
             )
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.strategy == "single" and self.world_size != 1:
-            raise ValueError(f"single runs on one device: set world_size=1 (got {self.world_size})")
+        if registry.get(self.strategy).reference and self.world_size != 1:
+            raise ValueError(
+                f"{self.strategy} runs on one device: set world_size=1 (got {self.world_size})"
+            )
         self._check_knobs()
         self._check_batch()
         self._check_balancing()
@@ -263,7 +265,7 @@ class RunConfig:
         elif self.global_batch % self.data_ranks:
             workers = (
                 f"{self.data_ranks} workers"
-                if self.strategy == "async_ps"
+                if registry.get(self.strategy).server
                 else f"world size {self.world_size}"
             )
             raise ValueError(
@@ -280,12 +282,13 @@ class RunConfig:
     def _check_balancing(self) -> None:
         if not self.balancing:
             return
-        if self.rebalance == "join" and self.strategy != "ddp_naive":
+        if self.rebalance == "join" and not registry.get(self.strategy).joinable:
+            joinable = " or ".join(n for n, s in registry.STRATEGIES.items() if s.joinable)
             raise ValueError(
                 f"rebalance='join' trains uneven inputs under a hand-written Joinable, which "
-                f"ddp_naive has (DDP's own join() is shown by labkit.labs.uneven.uneven_inputs): "
-                f"set "
-                f"strategy='ddp_naive' (got {self.strategy!r}) or rebalance='static'/'dynamic'"
+                f"{joinable} has (DDP's own join() is shown by labkit.labs.uneven.uneven_inputs): "
+                f"set strategy='{joinable}' (got {self.strategy!r}) or "
+                f"rebalance='static'/'dynamic'"
             )
         if self.accumulate != 1:
             raise ValueError(
@@ -396,6 +399,7 @@ class RunConfig:
 
     def _check_strategy(self) -> None:
         """What one strategy needs beyond its knobs."""
+        s = registry.get(self.strategy)
         if self.precision == "fp16":
             from .env import fp16_supported, resolve_device
 
@@ -406,23 +410,24 @@ class RunConfig:
                     f"this torch: use precision='bf16' (16 bits with fp32's range: "
                     f"no scaler)"
                 )
-            if self.strategy == "fsdp":
+            if s.zero_stage == 3:
                 raise ValueError(
-                    "fp16 with fsdp needs a GradScaler that agrees across shards, "
+                    f"fp16 with {self.strategy} needs a GradScaler that agrees across shards, "
                     "which labkit does not build: use precision='bf16' (no scaler)"
                 )
-        if self.strategy == "hogwild" and self.device == "cuda":
+        if s.shared_memory and self.device == "cuda":
             raise ValueError(
-                "hogwild shares one model in host memory between processes: set device='cpu'"
+                f"{self.strategy} shares one model in host memory between processes: "
+                f"set device='cpu'"
             )
-        if self.strategy == "async_ps" and self.world_size < 2:
+        if s.server and self.world_size < 2:
             raise ValueError(
-                "async_ps runs a parameter server on rank 0 and workers on the other "
+                f"{self.strategy} runs a parameter server on rank 0 and workers on the other "
                 "ranks: set world_size to 2 or more (3 gives two workers)"
             )
-        if self.strategy == "async_ps" and any(r == 0 for r, _, _ in self.slowdown):
+        if s.server and any(r == 0 for r, _, _ in self.slowdown):
             raise ValueError(
-                "async_ps: rank 0 is the parameter server, which computes no "
+                f"{self.strategy}: rank 0 is the parameter server, which computes no "
                 "gradients: slow down a worker instead, e.g. slowdown='1:3'"
             )
 
@@ -430,7 +435,7 @@ class RunConfig:
     def data_ranks(self) -> int:
         """Ranks (or groups of ranks) that each train on their own slice of the data: every
         rank, except async_ps's parameter server (rank 0); one per tensor-parallel group."""
-        if self.strategy == "async_ps":
+        if registry.get(self.strategy).server:
             return max(1, self.ranks - 1)
         return self.ranks // self.tensor_parallel
 

@@ -51,8 +51,8 @@ def run(
     fns = Factories(model_fn, data_fn, loss_fn, optimizer_fn)
     validate(cfg, fns)
     kind = resolve_device(cfg.device, cfg.ranks)
-    # On CPU the ranks share the cores; a lone process (single, dp) may use all of them, which is
-    # the honest baseline: that is what you would do without labkit.
+    # On CPU the ranks share the cores; a lone process (single, dataparallel) may use all of them,
+    # which is the honest baseline: that is what you would do without labkit.
     threads = cfg.threads or threads_per_rank(cfg.ranks, kind)
     results = launch(
         run_rank,
@@ -92,13 +92,14 @@ def grid(base: RunConfig, strategies: Sequence[str], world_sizes: Sequence[int])
         else:
             sizes = list(world_sizes)
         configs += [
-            (_reference(base) if name == "single" else base.replace(strategy=name, world_size=w))
+            (_reference(base) if kind == "reference" else base.replace(strategy=name, world_size=w))
             for w in sizes
         ]
-    if "single" in strategies and resolve_device(base.device, 1) == "cpu" and base.threads is None:
+    ref = registry.REFERENCE
+    if ref in strategies and resolve_device(base.device, 1) == "cpu" and base.threads is None:
         whole = threads_per_rank(1, "cpu")
         shares = sorted({threads_per_rank(c.ranks, "cpu") for c in configs} - {whole})
-        at = next(i for i, c in enumerate(configs) if c.strategy == "single") + 1
+        at = next(i for i, c in enumerate(configs) if c.strategy == ref) + 1
         configs[at:at] = [configs[at - 1].replace(threads=t) for t in shares]
     return configs
 
@@ -109,8 +110,10 @@ def _reference(base: RunConfig) -> RunConfig:
     tensor or pipeline split, ...) back to its default."""
     defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
     others = set().union(*(s.knobs for s in registry.STRATEGIES.values()))
-    foreign = others - registry.get("single").knobs
-    return base.replace(strategy="single", world_size=1, **{k: defaults[k] for k in foreign})
+    foreign = others - registry.get(registry.REFERENCE).knobs
+    return base.replace(
+        strategy=registry.REFERENCE, world_size=1, **{k: defaults[k] for k in foreign}
+    )
 
 
 def compare(

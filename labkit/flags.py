@@ -15,7 +15,7 @@ import typing
 from .config import RunConfig
 from .shares import format_slowdown
 
-# commands that run several configurations take lists for these two (``--strategies ddp,dp``)
+# commands that run several configurations take lists for these two (``--strategies ddp,fsdp``)
 SWEPT = {"strategy": "--strategies", "world_size": "--world-sizes"}
 
 

@@ -1,14 +1,14 @@
 """``python -m labkit.gpu_check --out out``: what the README promises of GPUs, run on them.
 
-One command (``make gpu-check``) runs every strategy on CUDA ranks over NCCL at each world size
-the GPUs allow, the equivalence check of every data-parallel strategy, CUDA-event timing, the
-CUDA allocator's peak, ``dp`` on every GPU, DDP's communication hooks with several buckets,
+One command (``make gpu-check``) runs every strategy on CUDA ranks over NCCL at each world size the
+GPUs allow, the equivalence check of every data-parallel strategy, CUDA-event timing, the CUDA
+allocator's peak, ``dataparallel`` on every GPU, DDP's communication hooks with several buckets,
 bf16 and fp16 autocast, and FSDP with bf16. Every row is a real labkit run through the library
-(``experiment.run``, ``equivalence.check``, ``launch``), judged against something measured
-apart from it, and ends ``pass``, ``fail`` (with the error's last line; the whole traceback is
-in the JSON) or ``skipped`` (with why: "needs 2 GPUs, 1 present"). The table goes to
-``OUT/gpu.json`` and ``OUT/gpu.txt``, rewritten after each row so a run cut short keeps what it
-did; the exit status is 1 when a row failed, else 0, and the last line counts each verdict.
+(``experiment.run``, ``equivalence.check``, ``launch``), judged against something measured apart
+from it, and ends ``pass``, ``fail`` (with the error's last line; the whole traceback is in the
+JSON) or ``skipped`` (with why: "needs 2 GPUs, 1 present"). The table goes to ``OUT/gpu.json`` and
+``OUT/gpu.txt``, rewritten after each row so a run cut short keeps what it did; the exit status is 1
+when a row failed, else 0, and the last line counts each verdict.
 
 Without a GPU every CUDA row is skipped, saying so (style habit 11: skip loudly). ``--cpu`` runs
 the same rows on CPU ranks over gloo (up to 2 ranks, 4 on 8+ cores): the check of the check
@@ -129,16 +129,17 @@ def config(target: Target, strategy: str, world_size: int, **changes) -> RunConf
     """``BASE`` for ``strategy`` at ``world_size`` on ``target``: a pipeline one stage per rank
     (enough layers for them), the composed strategies 2-wide (tp=2, 2 stages), and a global
     batch every rank that takes a slice of it divides (async_ps: its workers, not the server)."""
-    kind = registry.get(strategy).kind
-    slices = world_size - 1 if strategy == "async_ps" else world_size
+    s = registry.get(strategy)
+    kind = s.kind
+    slices = world_size - 1 if s.server else world_size
     layout: dict = dict(global_batch=math.lcm(BASE.global_batch, max(1, slices)))
     if kind == "pipeline":
         layout.update(stages=world_size, depth=max(BASE.depth, world_size - 1))
     elif kind == "tensor_parallel":  # every layer split evenly over the ranks
         layout.update(width=-(-BASE.width // world_size) * world_size)
-    elif strategy == "dp_pp":
+    elif s.schedule is not None:  # data x pipeline
         layout.update(stages=2)
-    elif strategy == "dp_tp":
+    elif "tp" in s.knobs:  # data x tensor
         layout.update(tp=2)
     return BASE.replace(
         strategy=strategy,
@@ -152,8 +153,8 @@ def config(target: Target, strategy: str, world_size: int, **changes) -> RunConf
 def min_world_size(strategy: str) -> int:
     """The fewest ranks a strategy means anything on: a pipeline, a tensor split or a composed
     mesh needs two, a parameter server a server and a worker."""
-    kind = registry.get(strategy).kind
-    return 2 if kind in ("pipeline", "tensor_parallel", "composed") or strategy == "async_ps" else 1
+    s = registry.get(strategy)
+    return 2 if s.kind in ("pipeline", "tensor_parallel", "composed") or s.server else 1
 
 
 @cache
@@ -192,8 +193,8 @@ def trained(res, target: Target) -> str:
 
 def strategy_row(strategy: str) -> Callable[[Target, int], str]:
     def fn(target: Target, world_size: int) -> str:
-        if strategy == "hogwild" and target.device == "cuda":
-            raise Skip("hogwild shares one model in host memory between processes: CPU only")
+        if registry.get(strategy).shared_memory and target.device == "cuda":
+            raise Skip(f"{strategy} shares one model in host memory between processes: CPU only")
         if registry.get(strategy).kind == "composed" and world_size % 2:
             raise Skip(f"{strategy} runs groups of 2 ranks: needs an even world size")
         return trained(run(config(target, strategy, world_size)), target)
@@ -295,11 +296,11 @@ def fsdp_bf16_row(target: Target, world_size: int) -> str:
     return trained(run(cfg), target)
 
 
-def dp_row(target: Target, world_size: int) -> str:
+def dataparallel_row(target: Target, world_size: int) -> str:
     """nn.DataParallel over every GPU: no note that it fell back to fewer devices."""
     if target.device != "cuda":
         raise Skip("DataParallel splits a batch over GPUs; on CPU it runs as single")
-    res = run(config(target, "dp", world_size))
+    res = run(config(target, "dataparallel", world_size))
     said = trained(res, target)
     fell_back = [n for n in res.notes if "DataParallel" in n]
     expect(not fell_back, fell_back[0] if fell_back else "")
@@ -395,12 +396,13 @@ def checks(target: Target) -> list[Check]:
     rows = [
         Check(f"run {name}", w, strategy_row(name))
         for name in registry.STRATEGIES
-        for w in ([1] if name == "single" else world_sizes(target.units))
+        for w in ([1] if registry.get(name).reference else world_sizes(target.units))
         if w >= min_world_size(name)
     ]
-    rows += [Check(f"check {n}", top, equivalence_row(n)) for n in ("dp", *registry.DATA_PARALLEL)]
+    rows += [Check(f"check {n}", top, equivalence_row(n)) for n in registry.names("data_parallel")]
     rows += [Check("cuda events", 1, cuda_events_row), Check("peak memory", top, peak_row)]
-    rows += [Check("dp on every GPU", top, dp_row), Check("ddp buckets", top, buckets_row)]
+    rows += [Check("dataparallel on every GPU", top, dataparallel_row)]
+    rows += [Check("ddp buckets", top, buckets_row)]
     rows += [Check(f"comm hook {h}", top, hook_row(h)) for h in ("fp16", "bf16", "powersgd")]
     rows += [Check(f"precision {p}", top, precision_row(p)) for p in ("bf16", "fp16")]
     rows.append(Check("fsdp bf16 + checkpointing", max(2, top), fsdp_bf16_row))

@@ -1,6 +1,6 @@
 """A run's records: built from what the ranks returned, and read into tables.
 
-A record is one flat dict per (rank, step), made inside the rank (``labkit.rank.probes.record``).
+A record is one flat dict per (rank, step), made inside the rank (``labkit.rank.recorder``).
 ``from_ranks`` turns one run's per-rank results into the records labkit shows, the same way
 for ``labkit.experiment.run`` and the torchrun worker; everything else here reads them:
 ``summarize`` (one row per run: the median step, gated by its slowest rank), the labels runs
@@ -27,7 +27,7 @@ from .predict.schedule import (
     theory_bubble,
 )
 from .rank.probes import TIME_COLUMNS
-from .registry import SYNC_ASYNC
+from .registry import REFERENCE, STRATEGIES, SYNC_ASYNC
 from .shares import format_slowdown
 
 
@@ -58,8 +58,8 @@ def finalize(records: list[dict]) -> pd.DataFrame:
       earliest start on any rank (one clock for every rank: the shared ``perf_counter``).
     * Pipelines get ``bubble_fraction`` (measured), ``bubble_replay`` (the schedule replayed on
       this very step's measured stage costs and hand-offs: a check that the simulator
-      reproduces what ran, not a prediction; ``labkit.timeline.bubble_table`` predicts from
-      other runs) and ``bubble_theory`` ((P-1)/(M+P-1)).
+      reproduces what ran, not a prediction; ``labkit.labs.pipeline_bubble.bubble_table``
+      predicts from other runs) and ``bubble_theory`` ((P-1)/(M+P-1)).
     """
     df = pd.DataFrame(records)
     if df.empty:
@@ -190,8 +190,8 @@ def run_label(strategy: str, world_size: int, threads, variant: str = "") -> str
     """How a run is named in tables and charts: ``ddp@2``; single says its thread count; a
     load-balancing run its policy and heterogeneity (``ddp_naive@2 dynamic, slow 1:2``)."""
     tail = f" {variant}" if isinstance(variant, str) and variant else ""
-    if strategy == "single":
-        return f"single ({int(threads)} thread{'s' if threads != 1 else ''})" + tail
+    if strategy == REFERENCE:
+        return f"{strategy} ({int(threads)} thread{'s' if threads != 1 else ''})" + tail
     return f"{strategy}@{world_size}" + tail
 
 
@@ -199,8 +199,9 @@ def variant(cfg: RunConfig) -> str:
     """What tells two runs of one strategy and world size apart in a lab: the load-balancing
     policy and the injected heterogeneity; the sync/async lab's period H and staleness-aware lr;
     reduced precision and activation checkpointing; "" for a plain run."""
-    parts = ([f"H={cfg.period}"] if cfg.strategy in ("local_sgd", "diloco") else []) + (
-        ["staleness lr"] if cfg.strategy == "async_ps" and cfg.staleness_lr else []
+    knobs = STRATEGIES[cfg.strategy].knobs
+    parts = ([f"H={cfg.period}"] if "period" in knobs else []) + (
+        ["staleness lr"] if "staleness_lr" in knobs and cfg.staleness_lr else []
     )
     if cfg.balancing:
         policy = [] if cfg.strategy in SYNC_ASYNC else [cfg.rebalance]  # a straggler, no policy
@@ -209,7 +210,7 @@ def variant(cfg: RunConfig) -> str:
             + ([f"slow {format_slowdown(cfg.slowdown)}"] if cfg.slowdown else [])
             + ([f"skew {cfg.skew:g}"] if cfg.skew else [])
         )
-    parts += [cfg.precision] if cfg.precision != "fp32" else []  # labkit.memory
+    parts += [cfg.precision] if cfg.precision != "fp32" else []  # labkit.labs.memory
     parts += ["checkpointed"] if cfg.activation_checkpointing else []
     return ", ".join(parts)
 
@@ -315,7 +316,7 @@ def summarize(records: pd.DataFrame) -> pd.DataFrame:
     if "compute_cpu_share" in records:
         table["cpu_share"] = [cpu_share(g) for _, g in runs]
         table["busy"] = table["cpu_share"] < BUSY_SHARE
-    single = table[table["strategy"] == "single"].set_index("threads")["samples_per_s"]
+    single = table[table["strategy"] == REFERENCE].set_index("threads")["samples_per_s"]
     all_cores = single.loc[single.index.max()] if len(single) else math.nan
     table["speedup_all_cores"] = table["samples_per_s"] / all_cores
     table["speedup_same_cores"] = table["samples_per_s"] / table["threads"].map(single)

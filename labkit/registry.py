@@ -52,6 +52,17 @@ class Strategy:
     one_process: bool = False  # True: one process drives every device (DataParallel)
     knobs: frozenset = frozenset()  # RunConfig fields beyond the common ones that it reads
     schedule: str | None = None  # pipelines: the schedule labkit.predict.schedule simulates
+    # data parallel: what each rank shards, as ZeRO's stages (0: nothing, every rank holds the
+    # whole model and optimizer; 1: the optimizer state; 3: parameters, gradients and state)
+    zero_stage: int | None = None
+    # how the step predictor (labkit.predict.step) times its gradient average: "buckets" (DDP's
+    # reducer, all-reduces overlapped with backward) or "per_tensor" (one per gradient, after it)
+    grad_sync: str | None = None
+    joinable: bool = False  # trains uneven inputs under torch's Join (rebalance="join")
+    server: bool = False  # rank 0 serves the parameters, the other ranks train
+    shared_memory: bool = False  # every rank updates one model in host memory (CPU only)
+    dtensor: bool = False  # its layers are DTensors placed by torch's parallelize_module
+    float32_only: str = ""  # why its algorithm needs float32 tensors (check cannot use float64)
     colour: str = "#9e9e9e"  # in every chart that compares strategies
     summary: str = ""
 
@@ -65,31 +76,46 @@ class Strategy:
         strategies that may synchronise batch statistics too)."""
         return self.kind == "data_parallel" and not self.one_process
 
+    @property
+    def reference(self) -> bool:
+        """Single-device training: the run every other one is checked and timed against."""
+        return self.kind == "reference"
+
+    @property
+    def replicated(self) -> bool:
+        """Data parallel over processes with every rank holding the whole model and optimizer:
+        rank 0's checkpoint is the whole state, so a job can resume at another world size."""
+        return self.data_parallel and self.zero_stage == 0
+
 
 # fmt: off
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
         Strategy("single", "single", "reference", one_process=True, knobs=LOOP | ACCUMULATE,
-                 colour="#9e9e9e", summary="one device, the reference"),
-        Strategy("dp", "dp", "data_parallel", one_process=True, knobs=LOOP | ACCUMULATE,
-                 colour="#72b7b2",
+                 zero_stage=0, colour="#9e9e9e", summary="one device, the reference"),
+        Strategy("dataparallel", "dataparallel", "data_parallel", one_process=True,
+                 knobs=LOOP | ACCUMULATE, zero_stage=0, colour="#72b7b2",
                  summary="nn.DataParallel: one process, the batch split over its devices"),
         Strategy("ddp", "ddp", "data_parallel",
                  knobs=LOOP | ACCUMULATE | BALANCING
                  | {"bucket_cap_mb", "comm_hook", "powersgd_rank", "sync_batchnorm"},
+                 zero_stage=0, grad_sync="buckets",
                  colour="#4c78a8", summary="DistributedDataParallel: overlapped bucket all-reduce"),
         Strategy("ddp_naive", "ddp_naive", "data_parallel",
-                 knobs=LOOP | ACCUMULATE | BALANCING | {"sync_batchnorm"}, colour="#f58518",
+                 knobs=LOOP | ACCUMULATE | BALANCING | {"sync_batchnorm"}, zero_stage=0,
+                 grad_sync="per_tensor", joinable=True, colour="#f58518",
                  summary="data parallelism by hand: all-reduce every gradient after backward"),
         Strategy("zero1", "zero1", "data_parallel",
-                 knobs=LOOP | ACCUMULATE | {"bucket_cap_mb", "sync_batchnorm"},
+                 knobs=LOOP | ACCUMULATE | {"bucket_cap_mb", "sync_batchnorm"}, zero_stage=1,
                  colour="#54a24b",
                  summary="ZeRO stage 1: DDP with the optimizer state partitioned"),
         Strategy("fsdp", "fsdp", "data_parallel", knobs=LOOP | ACCUMULATE | {"sync_batchnorm"},
-                 colour="#e45756", summary="FSDP2: parameters, gradients and state sharded"),
+                 zero_stage=3, colour="#e45756",
+                 summary="FSDP2: parameters, gradients and state sharded"),
         Strategy("hsdp", "hsdp", "data_parallel",
-                 knobs=LOOP | ACCUMULATE | {"sync_batchnorm", "shard_size"}, colour="#ff7f0e",
+                 knobs=LOOP | ACCUMULATE | {"sync_batchnorm", "shard_size"}, zero_stage=3,
+                 colour="#ff7f0e",
                  summary="HSDP: FSDP2 within shard groups, replicated across them (2-D mesh)"),
         Strategy("model_parallel", "model_parallel", "pipeline", knobs=PIPELINE,
                  schedule="model_parallel", colour="#b279a2",
@@ -102,7 +128,7 @@ STRATEGIES: dict[str, Strategy] = {
                  colour="#aec7e8",
                  summary="tensor parallelism by hand (Megatron): every layer split"),
         Strategy("tp_dtensor", "tp_dtensor", "tensor_parallel",
-                 knobs=LOOP | ACCUMULATE | TENSOR, colour="#ffbb78",
+                 knobs=LOOP | ACCUMULATE | TENSOR, dtensor=True, colour="#ffbb78",
                  summary="the same split through DTensor's parallelize_module"),
         Strategy("dp_tp", "dp_tp", "composed", knobs=LOOP | ACCUMULATE | TENSOR,
                  colour="#98df8a", summary="data x tensor: dp replicas of a tp group, 2-D mesh"),
@@ -115,13 +141,19 @@ STRATEGIES: dict[str, Strategy] = {
                  knobs=LOOP | STRAGGLER | {"period", "inner_lr", "outer_lr", "outer_momentum"},
                  colour="#bab0ac", summary="DiLoCo: inner AdamW, outer Nesterov on the average"),
         Strategy("async_ps", "async_ps", "asynchronous", knobs=LOOP | STRAGGLER | {"staleness_lr"},
+                 server=True,
+                 float32_only="async_ps's messages (parameters, gradients) are float32 tensors",
                  colour="#d62728", summary="a parameter server: workers push, never wait"),
-        Strategy("hogwild", "hogwild", "asynchronous", knobs=LOOP | STRAGGLER, colour="#8c564b",
+        Strategy("hogwild", "hogwild", "asynchronous", knobs=LOOP | STRAGGLER, shared_memory=True,
+                 float32_only="hogwild's ranks share one float32 buffer of parameters",
+                 colour="#8c564b",
                  summary="Hogwild: one shared-memory model, updated without locks"),
     )
 }
 # fmt: on
 
+# the reference every strategy is checked against (the one strategy of kind "reference")
+REFERENCE = next(n for n, s in STRATEGIES.items() if s.reference)
 # the sync vs async lab's modes: DDP, its synchronous reference, then the rest
 SYNC_ASYNC = ("ddp",) + tuple(
     n for n, s in STRATEGIES.items() if s.kind in ("periodic", "asynchronous")

@@ -217,7 +217,7 @@ def explain(table: pd.DataFrame) -> str:
             f"(GPUs, more machines), more compute per byte exchanged (a larger global batch or "
             f"model), or fewer all-reduces per sample (gradient accumulation)."
         )
-    if (table["world_size"] == 1).any() and (table["strategy"] != "single").any():
+    if (table["world_size"] == 1).any() and (table["strategy"] != registry.REFERENCE).any():
         lines.append(
             "World-size-1 rows talk to no one: the time DDP's reducer or a one-rank "
             "all-reduce took is shown as sync overhead, not communication."

@@ -13,7 +13,7 @@ from ..flags import add_config_arguments, config_from_args
 from ..registry import SYNC_ASYNC
 from .common import csv, one_run_only, pd_options, writable, write_html
 
-DP_STRATEGIES = "single,dp,ddp,ddp_naive"
+DP_STRATEGIES = "single,dataparallel,ddp,ddp_naive"
 _PARSERS: dict[str, argparse.ArgumentParser] = {}  # the demo runs compare and check as parsed
 
 
@@ -74,7 +74,8 @@ def cmd_compare(args) -> int:
     # the base must be a config the flags are valid on: load-balancing knobs belong to
     # ddp_naive; any other knob (--comm-hook, --inner-lr, ...) to the first strategy named
     # (a later one that does not take it is refused with the fix, by experiment.grid)
-    first = next((s for s in strategies if s != "single"), "single")
+    ref = registry.REFERENCE
+    first = next((s for s in strategies if s != ref), ref)
     kind = registry.get(first).kind if first in registry.STRATEGIES else "reference"
     world = {"reference": 1, "pipeline": args.stages}.get(kind, max(sizes))
     base = config_from_args(
@@ -174,7 +175,7 @@ def cmd_check(args) -> int:
     # the flags are validated against the first strategy checked (a knob such as --comm-hook
     # belongs to it, not to the single-device reference, which drops it), or with --tp the
     # first that splits layers (the others drop it: equivalence.config_for)
-    first = next((s for s in names if s != "single"), "single")
+    first = next((s for s in names if s != registry.REFERENCE), registry.REFERENCE)
     if args.tp is not None or args.sequence_parallel:
         first = next((s for s in names if "tp" in registry.get(s).knobs), first)
     base = config_from_args(

@@ -28,7 +28,7 @@ from ..env import cpu_cores, resolve_device
 from ..factories import Factories, validate
 from ..launch import launch
 from ..predict.step import Layer, Profile
-from ..rank.profiling import profile_rank
+from ..rank.layer_timing import profile_rank
 
 
 def measure(

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import psutil
 
+from .. import registry
 from ..config import RunConfig
 from ..flags import to_argv
 from ..launch import free_port
@@ -175,10 +176,11 @@ class ElasticJob:
     def check(cfg: RunConfig, nnodes: str | int, nproc_per_node: int = 1) -> tuple[int, int]:
         """(min, max) nodes, or a ValueError naming the fix, before any process starts."""
         lo, hi = check_nnodes(nnodes)
-        if cfg.strategy not in ("ddp", "ddp_naive"):
+        if not registry.get(cfg.strategy).replicated:
+            names = " or ".join(n for n, s in registry.STRATEGIES.items() if s.replicated)
             raise ValueError(
-                f"an elastic job runs ddp or ddp_naive (its world size changes), "
-                f"got {cfg.strategy!r}"
+                f"an elastic job runs {names} (its world size changes: every rank holds the "
+                f"whole model, so a checkpoint resumes at any size), got {cfg.strategy!r}"
             )
         if nproc_per_node < 1:
             raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")

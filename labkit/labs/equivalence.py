@@ -139,7 +139,7 @@ def check(
     row's ``compared_in`` dtype, ``ok`` is ``max_abs_diff <= tol``."""
     if compare_in not in COMPARE_IN:
         raise ValueError(f"compare_in must be one of {COMPARE_IN}, got {compare_in!r}")
-    strategies = [s for s in strategies if s != "single"]
+    strategies = [s for s in strategies if s != registry.REFERENCE]
     if base.rebalance == "join":
         raise ValueError(
             "rebalance='join' trains uneven inputs: ranks that ran out stop "
@@ -216,7 +216,7 @@ def _plan(cfg: RunConfig, name: str, world_size: int, bn: list, rand: list):
             f"{len(bn)} batch-norm layer(s) ({_few(bn)}): per-rank batch statistics "
             f"differ from the global batch's; synchronised, they are the same"
         )
-    elif bn and name in PIPELINES and cfg.microbatches > 1 and name != "model_parallel":
+    elif bn and name in PIPELINES and cfg.microbatches > 1 and _micro_batched(name):
         why.append(
             f"batch norm normalises each micro-batch on its own, single the whole "
             f"batch: not the same computation at M={cfg.microbatches} (use M=1, or "
@@ -300,16 +300,7 @@ def _float64_blocked(cfg: RunConfig, name: str) -> str:
             f"precision={cfg.precision!r} computes in 16 bits under autocast, which leaves "
             f"float64 tensors alone, so a float64 run would not check what runs"
         )
-    if name in FLOAT32_ONLY:
-        return FLOAT32_ONLY[name]
-    return ""
-
-
-# strategies whose algorithm is written for float32 tensors
-FLOAT32_ONLY = {
-    "hogwild": "hogwild's ranks share one float32 buffer of parameters",
-    "async_ps": "async_ps's messages (parameters, gradients) are float32 tensors",
-}
+    return registry.get(name).float32_only
 
 
 def _refuse_float64(cfg: RunConfig, strategies: Sequence[str]) -> None:
@@ -324,7 +315,7 @@ def reference_config(cfg: RunConfig) -> RunConfig:
     accumulate=k must reach the same parameters), no compression, no tensor split or sharding
     and no load balancing (any shares of the global batch must reach the same parameters)."""
     return cfg.replace(
-        strategy="single",
+        strategy=registry.REFERENCE,
         world_size=1,
         accumulate=1,
         comm_hook="none",
@@ -354,7 +345,7 @@ def config_for(cfg: RunConfig, name: str, world_size: int) -> RunConfig:
 def world_size_for(name: str, world_size: int, stages: int) -> int:
     """The ranks ``check`` runs ``name`` on: a pipeline has one per stage, the rest
     ``world_size``."""
-    if name == "single":
+    if registry.get(name).reference:
         return 1
     return stages if name in PIPELINES else world_size
 
@@ -363,6 +354,11 @@ def _max_diff(got: dict, ref: dict, keys=None) -> float:
     keys = ref.keys() if keys is None else keys
     diffs = [(got[k].double() - ref[k].double()).abs().max().item() for k in keys if ref[k].numel()]
     return max(diffs, default=0.0)
+
+
+def _micro_batched(name: str) -> bool:
+    """A pipeline whose schedule splits the batch (model parallelism runs it whole)."""
+    return registry.get(name).schedule != "model_parallel"
 
 
 def _few(names: list[str], n: int = 3) -> str:

@@ -15,22 +15,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .. import experiment
+from .. import experiment, registry
 from ..models import make_model
-from ..predict.memory import CATEGORIES, calculate
+from ..predict.memory import CATEGORIES, STRATEGIES, calculate
 from ..rank.memory_meter import COLUMNS
 from ..records import config_label, labels
-
-# the calculator's strategy for each run strategy it models: dp and ddp_naive hold DDP's bytes
-CALCULATED = {
-    "single": "single",
-    "dp": "ddp",
-    "ddp": "ddp",
-    "ddp_naive": "ddp",
-    "zero1": "zero1",
-    "fsdp": "fsdp",
-    "hsdp": "hsdp",
-}
 
 # ---- tables ------------------------------------------------------------------------------------
 
@@ -63,19 +52,18 @@ def predict(
     if model is None:
         model = make_model(cfg)
         input_shape = (3, 16, 16) if cfg.model == "cnn" else (cfg.in_features,)
-    strategy = CALCULATED[cfg.strategy]
     return calculate(
         model,
         input_shape=input_shape,
         classes=cfg.classes,
         global_batch=cfg.global_batch,
-        strategy=strategy,
+        strategy=cfg.strategy,
         world_size=cfg.ranks,
         precision=cfg.precision,
         optimizer=optimizer,
         checkpoint=cfg.activation_checkpointing,
         accumulate=cfg.accumulate,
-        shard_size=cfg.shard_group if cfg.strategy == "hsdp" else None,
+        shard_size=cfg.shard_group if "shard_size" in registry.get(cfg.strategy).knobs else None,
     )
 
 
@@ -117,9 +105,9 @@ def measure(
         raise ValueError(f"optimizer must be sgd_momentum or adam, got {optimizer!r}")
     _check_calculated(strategies)
     cfgs = [
-        base.replace(strategy=s, world_size=1 if s == "single" else w)
+        base.replace(strategy=s, world_size=w)
         for s in strategies
-        for w in ((1,) if s == "single" else world_sizes)
+        for w in ((1,) if registry.get(s).reference else world_sizes)
     ]
     results, errors = [], []
     for cfg in cfgs:
@@ -134,9 +122,9 @@ def measure(
 
 def _check_calculated(strategies) -> None:
     """Refuse, before anything runs, a strategy whose memory the calculator does not model."""
-    other = [s for s in strategies if s not in CALCULATED]
+    other = [s for s in strategies if s not in STRATEGIES]
     if other:
         raise ValueError(
-            f"the memory calculator models {', '.join(CALCULATED)}; not {', '.join(other)}: "
+            f"the memory calculator models {', '.join(STRATEGIES)}; not {', '.join(other)}: "
             "choose among those"
         )

@@ -30,11 +30,11 @@ import math
 import numpy as np
 import pandas as pd
 
+from .. import registry
 from ..records import BUSY_SHARE, cpu_share, run_label
 from ..registry import SYNC_ASYNC
 
-SYNCHRONOUS = ("ddp", "local_sgd", "diloco", "ddp_naive", "single")
-ASYNCHRONOUS = ("async_ps", "hogwild")
+ASYNCHRONOUS = registry.names("asynchronous")
 
 
 def _label(g: pd.DataFrame) -> str:
@@ -79,8 +79,8 @@ def updates(records: pd.DataFrame, window: int | None = None) -> pd.DataFrame:
 
 def _curve(g: pd.DataFrame) -> pd.DataFrame:
     g = g.assign(end_s=g["start_s"] + g["step_s"])
-    strategy = g["strategy"].iloc[0]
-    if strategy == "async_ps":
+    strategy = registry.get(g["strategy"].iloc[0])
+    if strategy.server:  # the server's records: one per applied update
         server = g[g["role"] == "server"].sort_values("end_s")
         pushed = float(g.loc[g["role"] == "worker", "comm_bytes"].median())
         return pd.DataFrame(
@@ -93,7 +93,7 @@ def _curve(g: pd.DataFrame) -> pd.DataFrame:
                 "averaged": 0,
             }
         )
-    if strategy == "hogwild":
+    if strategy.kind == "asynchronous":  # every rank's own updates, in time order
         rows = g.sort_values("end_s")
         return pd.DataFrame(
             {
@@ -141,9 +141,7 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
                 "updates": len(g),
                 "seconds": float(g["time_s"].iloc[-1]),
                 "bytes": float(g["bytes"].iloc[-1]),
-                "averaging_rounds": int(g["averaged"].sum())
-                if g["strategy"].iloc[0] in ("local_sgd", "diloco")
-                else (len(g) if g["strategy"].iloc[0] == "ddp" else 0),
+                "averaging_rounds": _rounds(g),
                 "staleness_mean": float(stale.mean()) if len(stale) else math.nan,
                 "staleness_max": float(stale.max()) if len(stale) else math.nan,
                 "cpu_share": share,
@@ -151,6 +149,15 @@ def to_target(records: pd.DataFrame, target: float, window: int | None = None) -
             }
         )
     return pd.DataFrame(rows)
+
+
+def _rounds(g: pd.DataFrame) -> int:
+    """Parameter or gradient averages over the run: every update of a synchronous data-parallel
+    mode, the rounds of a periodic one, none of an asynchronous one."""
+    strategy = registry.get(g["strategy"].iloc[0])
+    if strategy.kind == "periodic":
+        return int(g["averaged"].sum())
+    return len(g) if strategy.data_parallel else 0
 
 
 def default_target(
@@ -164,7 +171,7 @@ def default_target(
     finals = curves.groupby("run", sort=False).agg(
         strategy=("strategy", "first"), final=("loss_smooth", "last")
     )
-    ref = finals[(finals["strategy"] == "ddp") & ~finals.index.str.contains("slow")]
+    ref = finals[(finals["strategy"] == SYNC_ASYNC[0]) & ~finals.index.str.contains("slow")]
     end = float((ref if len(ref) else finals)["final"].iloc[0])
     return start - fraction * (start - end)
 
@@ -183,7 +190,7 @@ def sweep(base, modes=SYNC_ASYNC, straggler: float = 1.0, **overrides) -> list:
     above 1 (async_ps: world_size + 1 ranks, so it has as many workers as the others ranks)."""
     configs = []
     for mode in modes:
-        w = base.world_size + (mode == "async_ps")
+        w = base.world_size + registry.get(mode).server
         slow = ((1, straggler, None),) if straggler > 1 else ()
         configs.append(base.replace(strategy=mode, world_size=w, slowdown=slow, **overrides))
     return configs

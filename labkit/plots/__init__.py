@@ -25,7 +25,7 @@ def throughput(table: pd.DataFrame) -> go.Figure:
     """Samples/s (median step) against world size per strategy; single on all cores as a
     line, and the ideal: single on one rank's share of the cores, times the world size."""
     fig = go.Figure()
-    runs = table[table["strategy"] != "single"]
+    runs = table[table["strategy"] != registry.REFERENCE]
     for strategy, g in runs.groupby("strategy", sort=False):
         g = g.sort_values("world_size")
         fig.add_trace(
@@ -50,7 +50,7 @@ def throughput(table: pd.DataFrame) -> go.Figure:
                 line={"dash": "dash", "color": "gray"},
             )
         )
-    single = table[table["strategy"] == "single"].sort_values("threads")
+    single = table[table["strategy"] == registry.REFERENCE].sort_values("threads")
     if len(single):
         fig.add_hline(
             y=single["samples_per_s"].iloc[-1],
@@ -72,7 +72,9 @@ def throughput(table: pd.DataFrame) -> go.Figure:
 def efficiency(table: pd.DataFrame) -> go.Figure:
     """Scaling efficiency (speed-up / world size); 1.0 is perfect scaling."""
     fig = go.Figure()
-    for strategy, g in table[table["strategy"] != "single"].groupby("strategy", sort=False):
+    for strategy, g in table[table["strategy"] != registry.REFERENCE].groupby(
+        "strategy", sort=False
+    ):
         g = g.sort_values("world_size")
         fig.add_trace(go.Bar(x=g["run"], y=g["efficiency"], name=strategy))
     fig.add_hline(y=1.0, line_dash="dash", line_color="gray", annotation_text="perfect")

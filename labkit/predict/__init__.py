@@ -21,7 +21,6 @@ from .schedule import (
     costs_from_steps,
     predict_step,
     simulate,
-    stage_actions,
 )
 
 __all__ = [
@@ -30,5 +29,4 @@ __all__ = [
     "costs_from_steps",
     "predict_step",
     "simulate",
-    "stage_actions",
 ]

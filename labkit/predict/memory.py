@@ -38,12 +38,16 @@ import math
 import torch
 from torch import nn
 
+from .. import registry
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "rest")
 OPTIMIZERS = {"sgd": 0, "sgd_momentum": 4, "adam": 8}  # fp32 state bytes per parameter
 PRECISIONS = ("fp32", "bf16", "fp16")
-STRATEGIES = ("single", "ddp", "zero1", "fsdp", "hsdp")  # what calculate() traces exactly
-# transformer(): the ZeRO stage each strategy runs (FSDP is ZeRO-3; HSDP ZeRO-3 within a group)
-STAGES = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3, "hsdp": 3}
+# what calculate() traces exactly: every strategy the registry gives a ZeRO stage (DDP, by hand
+# or not, and DataParallel hold stage 0's bytes; FSDP is ZeRO-3; HSDP ZeRO-3 within a group)
+STRATEGIES = tuple(n for n, s in registry.STRATEGIES.items() if s.zero_stage is not None)
+# transformer(): the ZeRO stage of each, and the paper's stages 2 and 3 by name
+STAGES = {**{n: registry.get(n).zero_stage for n in STRATEGIES}, "zero2": 2, "zero3": 3}
 RECIPES = ("paper", "deepspeed")  # bytes per parameter of the large-model formulas
 _ACT_OUT = (nn.ReLU, nn.Tanh, nn.Sigmoid)  # save their output
 _ACT_IN = (nn.GELU, nn.SiLU, nn.LeakyReLU)  # save their input
@@ -161,11 +165,11 @@ def shard_numels(
     the optimizer), or everything."""
     _check_strategy(strategy, world_size, shard_size)
     numels = [math.prod(s) for s in shapes]
-    if strategy in ("fsdp", "hsdp"):
-        n = shard_size if strategy == "hsdp" else world_size
+    if STAGES[strategy] == 3:
+        n = shard_size if _grouped(strategy) else world_size
         per = sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in shapes)
         return [per] * world_size
-    if strategy == "zero1":
+    if STAGES[strategy] == 1:
         return [sum(part) for part in zero1_partition(numels, world_size)]
     return [sum(numels)] * world_size
 
@@ -211,8 +215,8 @@ def calculate(
     p_b, g_b, k_b = _bytes_per_param(precision, optimizer, recipe)
     full = [psi] * world_size
     sharded = shard_numels(shapes, strategy, world_size, shard_size)
-    opt_n = sharded if strategy in ("zero1", "fsdp", "hsdp") else full
-    state_n = sharded if strategy in ("fsdp", "hsdp") else full
+    opt_n = sharded if STAGES[strategy] >= 1 else full
+    state_n = sharded if STAGES[strategy] >= 3 else full
     steps = _adam_steps(shapes, strategy, world_size) if optimizer == "adam" else [0] * world_size
     batch = micro * (math.prod(input_shape) * 4 + 8)  # float inputs, int64 targets
     copies = acts["weight_copies"] if recipe == "autocast" else 0
@@ -241,7 +245,7 @@ def _bytes_per_param(precision: str, optimizer: str, recipe: str) -> tuple[int, 
 
 def _adam_steps(shapes, strategy: str, world_size: int) -> list[int]:
     """Adam keeps one 4-byte step counter per parameter tensor it updates."""
-    if strategy != "zero1":
+    if STAGES[strategy] != 1:
         return [len(shapes)] * world_size
     return [len(part) for part in zero1_partition([math.prod(s) for s in shapes], world_size)]
 
@@ -260,9 +264,9 @@ def _check_group(strategy, world_size, shard_size) -> None:
     """The world size, and HSDP's shard groups: ``shard_size`` for hsdp, and only for it."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    if strategy == "single" and world_size != 1:
-        raise ValueError("single runs on one device: set world_size=1")
-    if strategy != "hsdp":
+    if strategy == registry.REFERENCE and world_size != 1:
+        raise ValueError(f"{strategy} runs on one device: set world_size=1")
+    if not _grouped(strategy):
         if shard_size is not None:
             raise ValueError("shard_size sets HSDP's shard groups: drop it or use strategy='hsdp'")
         return
@@ -348,7 +352,12 @@ def _stage(strategy: str, world_size: int, shard_size: int | None) -> tuple[int,
     if strategy not in STAGES:
         raise ValueError(f"strategy must be one of {', '.join(STAGES)}, got {strategy!r}")
     _check_group(strategy, world_size, shard_size)
-    return STAGES[strategy], shard_size if strategy == "hsdp" else world_size
+    return STAGES[strategy], shard_size if _grouped(strategy) else world_size
+
+
+def _grouped(strategy: str) -> bool:
+    """Sharded within groups of ``shard_size`` ranks, replicated across them (HSDP)."""
+    return strategy in registry.STRATEGIES and "shard_size" in registry.get(strategy).knobs
 
 
 # ---- large transformers under any layout (tensor, pipeline and data parallel, ZeRO) -----------

@@ -1,22 +1,21 @@
 """Predict a pipeline step by simulating its schedule on measured costs.
 
 The order each stage runs its actions in is the executor's (``labkit.pipeline_schedules``). The
-closed form (P-1)/(M+P-1) assumes P equal stages, free hand-offs and no time between one
-action and the next. Real stages differ; every hand-off between ranks is a point-to-point message
-(~0.2-0.5 ms on gloo here); and every action costs its stage some dispatch (posting a send,
-allocating a receive buffer, ~0.1-0.2 ms). Next to a small micro-batch's compute these are not
-small. The simulation below keeps the schedule's order and dependencies and charges each action
-its stage's duration, each hand-off its boundary's time and each action its stage's dispatch gap,
-all measured (``costs_from_steps``), so it predicts the idle share that the closed form cannot.
+closed form (P-1)/(M+P-1) assumes P equal stages, free hand-offs and no time between one action and
+the next. Real stages differ; every hand-off between ranks is a point-to-point message; and every
+action costs its stage some dispatch (posting a send, allocating a receive buffer). Next to a small
+micro-batch's compute these are not small (how large on gloo: benchmarks/README.md, "Behind the
+code"). The simulation below keeps the schedule's order and dependencies and charges each action its
+stage's duration, each hand-off its boundary's time and each action its stage's dispatch gap, all
+measured (``costs_from_steps``), so it predicts the idle share that the closed form cannot.
 
-Measured costs are not constants: on a shared CPU one hand-off in several takes 1-3 ms instead of
-0.2, one micro-batch in several pays a scheduler tick. A step's span is a max-plus expression of
+Measured costs are not constants: on a shared CPU one hand-off in several takes several times the
+others, one micro-batch in several pays a scheduler tick. A step's span is a max-plus expression of
 its costs (an action starts at the later of its stage's freedom and its input's arrival), and the
 expectation of a max exceeds the max of the expectations, so a schedule simulated on mean costs
 under-predicts the idle share, the more so the more waits the schedule has (more micro-batches).
-``predict_step`` therefore averages the simulation over draws from the measured samples
-(measured here over 29 runs at P=2: simulating the means missed by up to 0.057 and by -0.012 on
-average, always low; averaging 128 draws, by up to 0.026 and -0.005 on average).
+``predict_step`` therefore averages the simulation over draws from the measured samples (how much
+closer that lands: benchmarks/README.md, "Behind the code").
 """
 
 from __future__ import annotations
@@ -134,9 +133,9 @@ def costs_from_steps(steps: Sequence[Sequence[dict]], stages: int) -> ScheduleCo
     """Costs from measured steps (each a list of every stage's events on one clock): the mean
     of each, and every sample behind it (``ScheduleCosts.samples``).
 
-    Means, not medians: on a shared CPU one action in several pays a scheduler tick (~1-3 ms);
-    a median drops those ticks, while the real span pays them (measured here at width 256 and
-    M=8: medians predicted a bubble 0.09 below the measured one).
+    Means, not medians: on a shared CPU one action in several pays a scheduler tick; a median
+    drops those ticks, while the real span pays them (by how much: benchmarks/README.md,
+    "Behind the code").
 
     Two passes over each stage's actions in order. Hand-off samples: an action whose input
     came from another stage and whose stage was idle when that input's producer finished

@@ -6,18 +6,22 @@ The profile (``labkit.labs.compute_profile.measure``) holds, per layer in forwar
 forward and backward seconds at one per-rank batch and the bytes of each gradient tensor, plus the
 optimizer's and the data loader's time per step. The network is a
 ``labkit.predict.collectives.CollectiveModel``: fitted on this machine (``labkit.labs.comm``) or a
-published interconnect (``labkit.predict.whatif``). How each strategy spends a step:
+published interconnect (``labkit.predict.whatif``). How each strategy spends a step, by what the
+registry says of it (``labkit.registry.Strategy``):
 
-* ``single``: data + forward + backward + optimizer on the whole global batch.
-* ``ddp``: gradients are packed into buckets in the order backward produces them (the reverse of
-  the forward order) of ``bucket_cap_mb`` each (DDP's default: 25 MB, the first bucket 1 MiB);
-  a bucket's all-reduce starts once its last gradient is ready and the previous bucket's
-  all-reduce is done, so it runs while backward computes earlier layers. What finishes after
-  backward is exposed; the rest was hidden.
-* ``ddp_naive``: one all-reduce per gradient tensor, back to back, after backward: all exposed.
-* pipelines: the schedule simulator of ``labkit.predict.schedule`` (not a second one) on the
-  profile's layers split into stages, each hand-off a point-to-point message of one
-  micro-batch's activations.
+* the reference (``single``): data + forward + backward + optimizer on the whole global batch.
+* ``grad_sync="buckets"`` (``ddp``): gradients are packed into buckets in the order backward
+  produces them (the reverse of the forward order) of ``bucket_cap_mb`` each (DDP's default:
+  25 MB, the first bucket 1 MiB); a bucket's all-reduce starts once its last gradient is ready
+  and the previous bucket's all-reduce is done, so it runs while backward computes earlier
+  layers. What finishes after backward is exposed; the rest was hidden.
+* ``grad_sync="per_tensor"`` (``ddp_naive``): one all-reduce per gradient tensor, back to back,
+  after backward: all exposed.
+* pipelines (``labkit.predict.pipeline_step``): the schedule simulator of
+  ``labkit.predict.schedule`` on the profile's layers split into stages, each hand-off a
+  point-to-point message of one micro-batch's activations.
+* tensor splits (``labkit.predict.tensor_step``): each rank's share of every split block and
+  the activation collectives of each Megatron pair.
 
 Gradient accumulation (``accumulate=k``): k micro-batches per optimizer step; under
 ``no_sync`` only the last one communicates, otherwise every one does. A compression hook
@@ -39,190 +43,24 @@ communication:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 
 from .. import registry
-from ..models import even_bounds  # the split labkit's pipelines use
 from ..shares import split
 from .collectives import CollectiveModel, coefficients
-from .schedule import ScheduleCosts
-from .schedule import predict_step as simulate_pipeline
+from .pipeline_step import predict_pipeline
+from .profile import Layer, Profile, StepPrediction
+from .tensor_step import predict_tensor_parallel
 
 MIB = 2**20
 FIRST_BUCKET_BYTES = MIB  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_MB = 25.0
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One block of the model (a child of an ``nn.Sequential``; the whole model otherwise)."""
-
-    name: str
-    forward_s: float  # at Profile.batch samples
-    backward_s: float
-    grad_bytes: tuple[int, ...]  # each trainable parameter's gradient, in forward order
-    activation_bytes: float = 0.0  # this block's output, per sample
-    flops: float = 0.0  # forward FLOPs per sample (matmuls; 0 if unknown)
-    forward_fixed_s: float = 0.0  # the part that does not grow with the batch
-    backward_fixed_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Compute of one rank at ``batch`` samples, measured (see ``labkit.labs.compute_profile``)."""
-
-    batch: int
-    layers: tuple[Layer, ...]
-    optimizer_s: float = 0.0
-    data_s: float = 0.0
-    ddp_overhead_s: float = 0.0  # DDP's hooks and bucket copies per step, no communication
-    threads: int = 1
-    device: str = "cpu"
-    source: str = "measured"
-    comm_shares_core: bool = False  # gloo's thread has no core of its own (see ddp_timeline)
-    after_wait_s: tuple[tuple[float, float], ...] = ()  # (idle s before a step, extra s it took)
-    # forward + backward's 10th and 90th percentile over its median, across the profiled steps
-    compute_spread: tuple[float, float] = (1.0, 1.0)
-    # the gradient all-reduce's 10th and 90th percentile block median over its median
-    comm_spread: tuple[float, float] = (1.0, 1.0)
-
-    def after_wait(self, gap_s: float) -> float:
-        """Extra seconds a step computes for after its rank waited ``gap_s`` idle (cold caches,
-        an idle core): interpolated between the measured gaps, held at the longest one's, and
-        never decreasing with the gap. 0 where not measured (a preset or rescaled profile)."""
-        if gap_s <= 0 or not self.after_wait_s:
-            return 0.0
-        points, top = [(0.0, 0.0)], 0.0
-        for gap, extra in sorted(self.after_wait_s):
-            top = max(top, extra)
-            points.append((gap, top))
-        for (g0, e0), (g1, e1) in zip(points, points[1:]):
-            if gap_s <= g1:
-                return e0 + (e1 - e0) * (gap_s - g0) / (g1 - g0)
-        return points[-1][1]
-
-    @property
-    def grad_bytes(self) -> int:
-        return sum(sum(layer.grad_bytes) for layer in self.layers)
-
-    @property
-    def flops_per_sample(self) -> float:
-        return sum(3 * layer.flops for layer in self.layers)  # forward + 2x backward
-
-    def scaled(self, factor: float) -> Profile:
-        """The same profile with every layer's compute ``factor`` times as long."""
-        layers = tuple(
-            replace(
-                layer,
-                forward_s=layer.forward_s * factor,
-                backward_s=layer.backward_s * factor,
-                forward_fixed_s=layer.forward_fixed_s * factor,
-                backward_fixed_s=layer.backward_fixed_s * factor,
-            )
-            for layer in self.layers
-        )
-        return replace(self, layers=layers)
-
-    def at_batch(self, batch: float) -> Profile:
-        """The same model at another per-rank batch: each layer's time on its line."""
-        f = batch / self.batch
-
-        def scale(t: float, fixed: float) -> float:
-            return fixed + (t - fixed) * f
-
-        layers = tuple(
-            replace(
-                layer,
-                forward_s=scale(layer.forward_s, layer.forward_fixed_s),
-                backward_s=scale(layer.backward_s, layer.backward_fixed_s),
-            )
-            for layer in self.layers
-        )
-        return replace(self, batch=batch, layers=layers)
-
-    def on_device(self, flops_per_s: float, name: str) -> Profile:
-        """The same model on a device with a given compute rate (FLOP/s): each layer's time is
-        its FLOPs at that rate (memory-bound layers and kernel launches are not modelled)."""
-        if self.flops_per_sample <= 0:
-            raise ValueError(
-                "this profile has no FLOP counts (a model that is not a stack of "
-                "Linear/Conv layers?): a device preset cannot rescale it"
-            )
-        layers = tuple(
-            replace(
-                layer,
-                forward_s=layer.flops * self.batch / flops_per_s,
-                backward_s=2 * layer.flops * self.batch / flops_per_s,
-                forward_fixed_s=0.0,
-                backward_fixed_s=0.0,
-            )
-            for layer in self.layers
-        )
-        ratio = sum(x.forward_s + x.backward_s for x in layers) / max(
-            1e-12, sum(x.forward_s + x.backward_s for x in self.layers)
-        )
-        return replace(
-            self,
-            layers=layers,
-            optimizer_s=self.optimizer_s * ratio,
-            data_s=0.0,
-            ddp_overhead_s=self.ddp_overhead_s * ratio,
-            device=name,
-            source=f"{self.source}, rescaled to {name}",
-            comm_shares_core=False,
-            after_wait_s=(),
-        )
-
-
-@dataclass
-class StepPrediction:
-    """Predicted seconds of one optimizer step, split as the probes split a measured one."""
-
-    strategy: str
-    world_size: int
-    global_batch: int
-    data_s: float
-    forward_s: float
-    backward_s: float
-    optimizer_s: float
-    comm_total_s: float  # all communication, hidden or not
-    exposed_s: float  # communication on the critical path
-    comm_bytes: float  # bytes each rank sends per optimizer step (ring all-reduce: 2(n-1)/n x)
-    buckets: list[dict] = field(default_factory=list)
-    bubble: float | None = None  # pipelines: mean idle share of the stages
-    after_wait_s: float = 0.0  # compute slowed by waiting (Profile.after_wait)
-    # the band: the step predicted with the collectives' 10th and 90th percentile times
-    step_s_p10: float | None = None
-    step_s_p90: float | None = None
-
-    @property
-    def hidden_s(self) -> float:
-        return max(0.0, self.comm_total_s - self.exposed_s)
-
-    @property
-    def step_s(self) -> float:
-        return (
-            self.data_s
-            + self.forward_s
-            + self.backward_s
-            + self.exposed_s
-            + self.optimizer_s
-            + self.after_wait_s
-        )
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.global_batch / self.step_s
-
-    def as_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "buckets"}
-        return {
-            **out,
-            "hidden_s": self.hidden_s,
-            "step_s": self.step_s,
-            "samples_per_s": self.samples_per_s,
-            "buckets": len(self.buckets),
-        }
+# the strategies with a predictor: the reference, the data-parallel ones whose gradient average
+# it times, the pipelines and the tensor splits
+PREDICTED = tuple(
+    n
+    for n, s in registry.STRATEGIES.items()
+    if s.reference or s.grad_sync or s.kind == "pipeline" or "tp" in s.knobs
+)
 
 
 def bucket_layout(
@@ -382,40 +220,51 @@ def _predict(
 ) -> StepPrediction:
     if world_size < 1 or global_batch < 1 or accumulate < 1:
         raise ValueError("world_size, global_batch and accumulate must be at least 1")
-    if registry.get(strategy).kind == "tensor_parallel" or strategy == "dp_tp":
-        degree = world_size if strategy != "dp_tp" else tp
-        return _tensor_parallel(
-            profile, network, strategy, world_size, global_batch, degree, sequence_parallel
+    s = registry.get(strategy)
+    if "tp" in s.knobs:  # every layer split over the ranks, or over each replica's tp ranks
+        degree = world_size if s.kind == "tensor_parallel" else tp
+        return predict_tensor_parallel(
+            profile, network, s, world_size, global_batch, degree, sequence_parallel
         )
-    if registry.get(strategy).kind == "pipeline":
-        return _pipeline(
-            profile,
-            network,
-            strategy,
-            world_size,
-            global_batch,
-            1 if strategy == "model_parallel" else microbatches,
-            bounds,
-        )
-    if strategy not in ("single", "ddp", "ddp_naive"):
-        raise ValueError(
-            f"no predictor for strategy {strategy!r}: single, ddp, ddp_naive, "
-            f"{', '.join(registry.PIPELINES)}"
-        )
-    ranks = 1 if strategy == "single" else world_size
+    if s.kind == "pipeline":
+        return predict_pipeline(profile, network, s, world_size, global_batch, microbatches, bounds)
+    if not (s.reference or s.grad_sync):
+        raise ValueError(f"no predictor for strategy {strategy!r}: {', '.join(PREDICTED)}")
+    return _data_parallel(
+        profile, network, s, world_size, global_batch, bucket_cap_mb, accumulate, no_sync,
+        compression,
+    )  # fmt: skip
+
+
+def _data_parallel(
+    profile: Profile,
+    network: CollectiveModel,
+    strategy: registry.Strategy,
+    world_size: int,
+    global_batch: int,
+    bucket_cap_mb: float | None,
+    accumulate: int,
+    no_sync: bool,
+    compression: float,
+) -> StepPrediction:
+    """The reference on the whole batch, or every rank on its slice, then the gradient average
+    as ``strategy.grad_sync`` says: DDP's buckets overlapped with backward, or one all-reduce
+    per gradient after it."""
+    ranks = 1 if strategy.reference else world_size
     micro = profile.at_batch(global_batch / ranks / accumulate)
     fwd = accumulate * sum(layer.forward_s for layer in micro.layers)
     bwd = accumulate * sum(layer.backward_s for layer in micro.layers)
     syncs = 1 if no_sync else accumulate
     data_s = accumulate * profile.data_s
     pred = StepPrediction(
-        strategy, world_size, global_batch, data_s, fwd, bwd, profile.optimizer_s, 0.0, 0.0, 0.0
-    )
+        strategy.name, world_size, global_batch, data_s, fwd, bwd, profile.optimizer_s,
+        0.0, 0.0, 0.0,
+    )  # fmt: skip
     if ranks == 1:
         return pred
     per_byte = coefficients("all_reduce", ranks)[1]  # a ring all-reduce sends 2(n-1)/n of it
     pred.comm_bytes = syncs * profile.grad_bytes * compression * per_byte
-    if strategy == "ddp":
+    if strategy.grad_sync == "buckets":
         pred.backward_s += accumulate * profile.ddp_overhead_s
         total, exposed, pred.buckets = ddp_timeline(
             micro.layers, network, ranks, bucket_cap_mb, compression, profile.comm_shares_core
@@ -434,164 +283,6 @@ def _predict(
     return pred
 
 
-@dataclass(frozen=True)
-class SplitBlock:
-    """How ``labkit.strategies.tp.parallelize`` cuts one block of the profile: its compute
-    divided over the tensor-parallel ranks or not, the activation collectives it ends with
-    (each of the block's output, b x s x h), and which of its parameters stay whole."""
-
-    split: bool
-    forward: int = 0  # g: all-reduces of its output in forward
-    backward: int = 0  # f: all-reduces of an input gradient in backward
-    whole: tuple[int, ...] = ()  # parameters (forward order) every rank holds entire
-    partial: tuple[int, ...] = ()  # of those, the ones sequence parallelism leaves partial
-
-
-# labkit's transformer Block, parameters in forward order: ln1 (w, b), qkv (w, b), proj (w, b),
-# ln2 (w, b), fc1 (w, b), fc2 (w, b); the LayerNorms and the row-parallel biases stay whole
-_BLOCK_WHOLE, _BLOCK_LAYERNORMS = (0, 1, 5, 6, 7, 11), (0, 1, 6, 7)
-
-
-def tensor_parallel_layout(profile: Profile) -> list[SplitBlock]:
-    """Per block of the profile, how tensor parallelism cuts it. labkit's transformer: each
-    ``Block`` is two Megatron pairs (attention, MLP): two all-reduces in forward, two in
-    backward; the embedding and head replicated. labkit's MLP: hidden blocks paired, column
-    then row, one all-reduce after each pair in forward and one before it in backward, except
-    before the first layer, whose input needs no gradient; the row layer's bias whole; an odd
-    last hidden block and the head replicated."""
-    names = [layer.name.split(": ")[-1] for layer in profile.layers]
-    if "Block" in names:
-        return [
-            SplitBlock(True, 2, 2, _BLOCK_WHOLE, _BLOCK_LAYERNORMS + (5, 11))
-            if n == "Block"
-            else SplitBlock(False)
-            for n in names
-        ]
-    pairs = (len(names) - 1) // 2 * 2
-    return [
-        SplitBlock(True, 1, 1 if i > 1 else 0, (1,), (1,)) if i < pairs and i % 2
-        else SplitBlock(i < pairs)
-        for i in range(len(names))
-    ]  # fmt: skip
-
-
-def _tensor_parallel(
-    profile: Profile,
-    network: CollectiveModel,
-    strategy: str,
-    world_size: int,
-    global_batch: int,
-    tp: int,
-    sequence_parallel: bool,
-) -> StepPrediction:
-    """Every rank of a tensor-parallel group computes 1/tp of each split block on the whole
-    batch of its data-parallel replica (``dp = world_size / tp``) and waits for the activation
-    collectives each Megatron pair ends with (``tensor_parallel_layout``), b x s x h elements
-    each. Under sequence parallelism each all-reduce is a reduce-scatter plus an all-gather (the
-    same bytes), the sequence is gathered once before the head and once in the embedding's
-    backward, and the parameters that saw a slice of the sequence (LayerNorms; by hand also the
-    row-parallel biases, which DTensor adds before its reduce-scatter) are all-reduced over
-    the group after backward. With dp > 1 each rank then averages its share of the weights'
-    gradients with its twins in the other replicas (dp_tp), after backward."""
-    dp = world_size // tp
-    micro = profile.at_batch(global_batch / dp)
-    layout = tensor_parallel_layout(profile)
-
-    def share(x: float, block: SplitBlock) -> float:
-        return x / tp if block.split else x
-
-    fwd = sum(share(x.forward_s, b) for x, b in zip(micro.layers, layout))
-    bwd = sum(share(x.backward_s, b) for x, b in zip(micro.layers, layout))
-    comm_s = sent = 0.0
-
-    def add(op: str, nbytes: float, n: int, times: int = 1) -> None:
-        nonlocal comm_s, sent
-        comm_s += times * network.time(op, nbytes, n)
-        sent += times * nbytes * coefficients(op, n)[1]
-
-    for layer, block in zip(micro.layers, layout):
-        nbytes, times = layer.activation_bytes * micro.batch, block.forward + block.backward
-        if sequence_parallel:
-            add("reduce_scatter", nbytes, tp, times)
-            add("all_gather", nbytes, tp, times)
-        else:
-            add("all_reduce", nbytes, tp, times)
-    if sequence_parallel:  # the seams: into the head (forward), out of the embedding (backward)
-        seam = next(x.activation_bytes for x, b in zip(micro.layers, layout) if b.split)
-        add("all_gather", seam * micro.batch, tp, 2)
-        partial = 0.0
-        for layer, block in zip(profile.layers, layout):
-            # DTensor adds the row-parallel bias before its reduce-scatter: only the LayerNorms
-            kept = block.partial
-            if strategy == "tp_dtensor":
-                kept = _BLOCK_LAYERNORMS if block.split else ()
-            partial += sum(layer.grad_bytes[i] for i in kept)
-        add("all_reduce", partial, tp)
-    if dp > 1:  # the replicas' gradient average: this rank's share of every parameter
-        grads = sum(
-            g if i in block.whole else share(g, block)
-            for layer, block in zip(profile.layers, layout)
-            for i, g in enumerate(layer.grad_bytes)
-        )
-        add("all_reduce", grads, dp)
-    return StepPrediction(
-        strategy,
-        world_size,
-        global_batch,
-        profile.data_s,
-        fwd,
-        bwd,
-        profile.optimizer_s / tp,
-        comm_total_s=comm_s,
-        exposed_s=comm_s,  # every message here is on the critical path
-        comm_bytes=sent,
-    )
-
-
-def _pipeline(
-    profile: Profile,
-    network: CollectiveModel,
-    strategy: str,
-    stages: int,
-    global_batch: int,
-    microbatches: int,
-    bounds: Sequence[int] | None,
-) -> StepPrediction:
-    layers = profile.at_batch(global_batch / microbatches).layers
-    if bounds is None:
-        bounds = even_bounds(len(layers), stages)
-    bounds = list(bounds)
-    ends = bounds[1:] + [len(layers)]
-    parts = [layers[a:b] for a, b in zip(bounds, ends)]
-    mb = global_batch / microbatches
-    hop = tuple(network.time("p2p", part[-1].activation_bytes * mb, 2) for part in parts[:-1])
-    costs = ScheduleCosts(
-        tuple(sum(x.forward_s for x in p) for p in parts),
-        tuple(sum(x.backward_s for x in p) for p in parts),
-        hop,
-    )
-    sim = simulate_pipeline(registry.get(strategy).schedule, microbatches, costs)
-    busiest = max(range(stages), key=lambda s: costs.forward_s[s] + costs.backward_s[s])
-    compute = microbatches * (costs.forward_s[busiest] + costs.backward_s[busiest])
-    fwd_share = costs.forward_s[busiest] / max(
-        1e-12, costs.forward_s[busiest] + costs.backward_s[busiest]
-    )
-    idle = sim["span_s"] - compute  # the busiest stage's wait: bubble + hops
-    return StepPrediction(
-        strategy,
-        stages,
-        global_batch,
-        profile.data_s * microbatches,
-        compute * fwd_share,
-        compute * (1 - fwd_share),
-        profile.optimizer_s / stages,
-        comm_total_s=sum(hop) * 2 * microbatches,
-        exposed_s=max(0.0, idle),
-        comm_bytes=0.0,
-        bubble=sim["bubble"],
-    )
-
-
 def scaling(
     profile: Profile,
     network: CollectiveModel,
@@ -603,11 +294,12 @@ def scaling(
     """Predicted step and scaling efficiency at each world size, the per-rank batch held fixed
     (weak scaling, as data parallelism is used): efficiency = throughput(n) / (n x
     throughput(1))."""
-    one = predict(profile, network, "single", 1, batch_per_rank).samples_per_s
+    reference = registry.REFERENCE
+    one = predict(profile, network, reference, 1, batch_per_rank).samples_per_s
     rows = []
     for n in world_sizes:
         p = predict(
-            profile, network, strategy if n > 1 else "single", n, batch_per_rank * n, **knobs
+            profile, network, strategy if n > 1 else reference, n, batch_per_rank * n, **knobs
         )
         rows.append({**p.as_dict(), "efficiency": p.samples_per_s / (n * one)})
     return rows
@@ -673,20 +365,23 @@ def straggler_throughput(factors: Sequence[float], mode: str) -> float:
     """Throughput with per-rank compute slowdowns ``factors``, as a fraction of the same run
     without them, when compute dominates the step (the sync/async lab).
 
-    Synchronous modes (ddp, ddp_naive, local_sgd, diloco) wait for the slowest rank every step,
-    or once a round, which over a round is the same wait: they run at its pace, 1 / max(f).
-    Asynchronous ones (async_ps's workers, hogwild's ranks) never wait for each other: each rank
-    contributes at its own pace, mean(1 / f)."""
+    Synchronous modes (the data-parallel strategies, local SGD and DiLoCo) wait for the slowest
+    rank every step, or once a round, which over a round is the same wait: they run at its pace,
+    1 / max(f). Asynchronous ones (async_ps's workers, hogwild's ranks) never wait for each
+    other: each rank contributes at its own pace, mean(1 / f)."""
     factors = [float(f) for f in factors]
     if not factors or min(factors) < 1:
         raise ValueError(f"factors must be >= 1, one per computing rank, got {factors}")
-    if mode in ("async_ps", "hogwild"):
+    s = registry.STRATEGIES.get(mode)
+    if s is not None and s.kind == "asynchronous":
         return sum(1 / f for f in factors) / len(factors)
-    if mode in ("ddp", "ddp_naive", "local_sgd", "diloco"):
+    if s is not None and (s.data_parallel or s.kind == "periodic"):
         return 1 / max(factors)
-    raise ValueError(
-        f"unknown mode {mode!r}: choose ddp, ddp_naive, local_sgd, diloco, async_ps or hogwild"
-    )
+    modes = [n for n, s in registry.STRATEGIES.items() if s.data_parallel or s.kind in _PACED]
+    raise ValueError(f"unknown mode {mode!r}: choose {', '.join(modes)}")
+
+
+_PACED = ("periodic", "asynchronous")
 
 
 def compute_floor_s(

@@ -2,9 +2,9 @@
 
 Every data-parallel step ends at a synchronisation that the slowest rank gates: a rank that is
 twice as slow (an older GPU, a busy node) makes every other rank wait for it, every step. This
-module makes that visible and fixes it, on ``ddp_naive`` (whose gradient all-reduce runs after
-backward, so each rank can time its wait there; DDP hides the same wait inside its overlapped
-backward):
+module makes that visible and fixes it, on ``ddp_naive`` and ``ddp`` (``ddp_naive``'s gradient
+all-reduce runs after backward, so each rank can time its wait there; DDP hides the same wait
+inside its overlapped backward):
 
 * **slowdown** (``RunConfig.slowdown``): rank r computes ``factor`` times slower. After each
   backward it sleeps ``(factor - 1)`` times the compute it just did, so it really takes longer
@@ -284,11 +284,11 @@ class Balancer:
 
     def end_step(self, step: int) -> None:
         """Dynamic: after every ``rebalance_every`` measured steps, shares follow throughput
-        over the last ``2 x rebalance_every`` steps (one step's compute time moved by +-20 % on
-        a shared 2-core machine; twice the evidence halves the shares' jitter, and a rank that
-        slows down still moves them at the next rebalance); and once before the first measured
-        step, from the last warm-up step (the first one pays one-off costs and is no evidence),
-        so measured steps do not start from even shares."""
+        over the last ``2 x rebalance_every`` steps (one step's compute time is noisy on a shared
+        machine, benchmarks/README.md "Behind the code"; twice the evidence halves the shares'
+        jitter, and a rank that slows down still moves them at the next rebalance); and once
+        before the first measured step, from the last warm-up step (the first one pays one-off
+        costs and is no evidence), so measured steps do not start from even shares."""
         dynamic = self.cfg.rebalance == "dynamic"
         if step < 0:
             if dynamic and step == -1 and self.cfg.warmup >= 2:

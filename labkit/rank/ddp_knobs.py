@@ -12,13 +12,14 @@ from ..config import RunConfig
 from ..dist import RankContext
 
 
-def comm_hook(cfg: RunConfig, notes: list[str]) -> tuple:
-    """(state, hook) for ``cfg.comm_hook``: torch's own compression hooks."""
+def comm_hook(cfg: RunConfig) -> tuple[object, object, list[str]]:
+    """(state, hook, notes) for ``cfg.comm_hook``: torch's own compression hooks."""
     if cfg.comm_hook == "fp16":
-        return None, default_hooks.fp16_compress_hook
+        return None, default_hooks.fp16_compress_hook, []
     if cfg.comm_hook == "bf16":
-        return None, default_hooks.bf16_compress_hook
+        return None, default_hooks.bf16_compress_hook, []
     # PowerSGD compresses from its third step on (torch needs two plain ones): warm-up hides them
+    notes = []
     if cfg.warmup < 2:
         notes.append(
             f"PowerSGD compresses from the third step on: with warmup={cfg.warmup} the first "
@@ -27,21 +28,21 @@ def comm_hook(cfg: RunConfig, notes: list[str]) -> tuple:
     state = powersgd.PowerSGDState(
         process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2
     )
-    return state, powersgd.powerSGD_hook
+    return state, powersgd.powerSGD_hook, notes
 
 
-def bucket_cap_mb(cfg: RunConfig, ctx: RankContext, model, notes: list[str]) -> float | None:
-    """``cfg.bucket_cap_mb``, except PowerSGD on gloo, which deadlocks with more than one bucket
-    (torch 2.14.1: the first compressed step hangs until the timeout, checked here with 4 MB
-    buckets on a 3x1024 MLP), so it gets one bucket, and a note saying so."""
+def bucket_cap_mb(cfg: RunConfig, ctx: RankContext, model) -> tuple[float | None, list[str]]:
+    """``cfg.bucket_cap_mb`` and the notes about it: PowerSGD on gloo deadlocks with more than
+    one bucket (the first compressed step hangs until the timeout; benchmarks/README.md, "Behind
+    the code"), so it gets one bucket, and a note saying so."""
     cap = cfg.bucket_cap_mb
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     if cfg.comm_hook != "powersgd" or ctx.backend != "gloo" or (cap and cap * 2**20 >= nbytes):
-        return cap
+        return cap, []
     one = math.ceil(nbytes / 2**20) + 1
-    was = "the default 25 MB / 1 MiB first" if cap is None else f"{cap:g} MB"
-    notes.append(
-        f"PowerSGD on gloo hangs when DDP has more than one bucket (torch 2.14.1): labkit used "
-        f"one bucket of {one} MB instead of {was}"
+    instead = "the default 25 MB / 1 MiB first" if cap is None else f"{cap:g} MB"
+    note = (
+        f"PowerSGD on gloo hangs when DDP has more than one bucket: labkit used one bucket of "
+        f"{one} MB instead of {instead}"
     )
-    return float(one)
+    return float(one), [note]

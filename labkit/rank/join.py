@@ -4,7 +4,7 @@ When ranks hold different numbers of batches, the rank that runs out would leave
 waiting in their next all-reduce forever. ``torch.distributed.algorithms.Join`` lets it *shadow*
 their collectives (answer them with zeros) until every rank is done. ``JoinableSync`` is the
 from-scratch twin of ``DistributedDataParallel.join()`` for the hand-written all-reduce
-(``rebalance="join"``); ``labkit.uneven`` shows the hang and the fix from a notebook.
+(``rebalance="join"``); ``labkit.labs.uneven`` shows the hang and the fix from a notebook.
 """
 
 from __future__ import annotations

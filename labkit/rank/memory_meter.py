@@ -42,7 +42,16 @@ COLUMNS = tuple(f"mem_{c}_bytes" for c in CATEGORIES)
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), any other tensor itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    if not hasattr(t, "to_local"):
+        return t
+    with torch.no_grad():  # the shard itself, not an autograd view of it
+        return t.to_local()
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a view was taken of, or None. torch has no public accessor for it: this reads
+    ``Tensor._base``, as in torch 2.14."""
+    return t._base
 
 
 def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:
@@ -69,8 +78,9 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _is_param_copy(t: torch.Tensor) -> bool:
     """A leaf that trains (an FSDP-gathered parameter), or a cast of one (autocast's copy)."""
-    if t._base is not None:  # addmm saves the weight copy transposed: a view
-        t = t._base
+    base = view_base(t)
+    if base is not None:  # addmm saves the weight copy transposed: a view
+        t = base
     if t.is_leaf:
         return t.requires_grad
     fn = t.grad_fn
@@ -95,11 +105,12 @@ class MemoryMeter:
     under GPipe, at most P - stage under 1F1B.
 
     The categories are counted at one step only, ``at_step`` (the training loop picks the last
-    warm-up step, or the first measured one without warm-up), and every record carries their
-    counts: they are the same at every step of a run, while the saved-tensor hooks cost time
-    for every tensor autograd saves, enough to slow a small model's measured steps visibly if
-    they ran on every step. With ``every_step`` (a pipeline, whose schedule is the lesson) the
-    micro-batches held at once are followed at every step: ``peaks()``."""
+    warm-up step, or the first measured one without warm-up), and every record carries their counts:
+    they are the same at every step of a run, while the saved-tensor hooks cost time for every
+    tensor autograd saves, enough to slow a small model's measured steps visibly if they ran on
+    every step (benchmarks/README.md, "Behind the code"). With ``every_step`` (a pipeline, whose
+    schedule is the lesson) the micro-batches held at once are followed at every step:
+    ``peaks()``."""
 
     def __init__(
         self,

@@ -26,9 +26,9 @@ from ..data import batches, shard_loader
 from ..dist import RankContext, clock_offset
 from ..factories import Factories
 from ..models import even_bounds, partition, split, stage_state_names
+from .layer_timing import layer_costs
 from .loop import build_model, final_state, seed_rank_streams
 from .probes import buffers_kept
-from .profiling import layer_costs
 from .watch import Watch
 
 

@@ -41,9 +41,9 @@ from ..dist import RankContext
 from ..wire import traffic, watch_all
 from .memory_meter import MemoryMeter
 from .probes import StepProbe, backward_time_without_comm, peak_memory
-from .profiler import RankProfiler
 from .recorder import Recorder
 from .resume import Resume
+from .torch_profiler import RankProfiler
 
 
 class Phase:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
@@ -91,16 +92,9 @@ class ParameterServer:
         return staleness
 
 
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+    """The model's parameters set to a copy of ``flat`` (a received buffer is reused)."""
+    vector_to_parameters(flat.detach().clone(), model.parameters())
 
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
@@ -116,7 +110,9 @@ def serve(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modu
     its wait for a push, the update, the reply (the watch times and records them)."""
     workers = ctx.world_size - 1
     server = ParameterServer(
-        flat_params(model), lambda ps: fns.optimizer(cfg, ps), staleness_lr=cfg.staleness_lr
+        parameters_to_vector(model.parameters()),
+        lambda ps: fns.optimizer(cfg, ps),
+        staleness_lr=cfg.staleness_lr,
     )
     n = server.param.numel()
     reply = torch.empty(n + 1)
@@ -180,8 +176,8 @@ def work(cfg: RunConfig, ctx: RankContext, fns: Factories, model: torch.nn.Modul
     def exchange() -> None:
         outbox[0], outbox[1] = PUSH, version[0]
         outbox[2], outbox[3] = last_loss
-        outbox[HEADER:] = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        outbox[HEADER:] = parameters_to_vector(
+            p.grad if p.grad is not None else torch.zeros_like(p) for p in params
         )
         dist.send(outbox, dst=0)
         for p in params:  # the server applied it: no local optimizer step

@@ -22,14 +22,12 @@ from ..rank.loop import build_model, data_iter, train_loop
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    notes: list[str] = []
-    ddp_model = DDP(
-        model,
-        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=bucket_cap_mb(cfg, ctx, model, notes),
-    )
+    cap, notes = bucket_cap_mb(cfg, ctx, model)
+    ddp_model = DDP(model, device_ids=ctx.device_ids, bucket_cap_mb=cap)
     if cfg.comm_hook != "none":
-        ddp_model.register_comm_hook(*comm_hook(cfg, notes))
+        state, hook, hook_notes = comm_hook(cfg)
+        ddp_model.register_comm_hook(state, hook)
+        notes += hook_notes
     data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
     if cfg.balancing:  # a straggler, skewed data, shares that follow speed: rank/balancer.py
         out = balanced(cfg, ctx, ddp_model, data, fns=fns)

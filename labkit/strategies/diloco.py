@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
 
 from ..config import RunConfig
 from ..dist import RankContext, broadcast_parameters
@@ -39,12 +40,10 @@ def outer_step(
 ) -> None:
     """One DiLoCo round's end: Δ = θ - mean_r θ_r (``average`` all-reduces a flat tensor to its
     mean over ranks in place; the identity on one rank), θ <- outer step on Δ, θ_r <- θ."""
-    delta = torch.cat([(g - p).reshape(-1) for g, p in zip(global_params, local_params)])
+    delta = parameters_to_vector(global_params) - parameters_to_vector(local_params)
     average(delta)  # one all-reduce per round, the size of the model
-    offset = 0
-    for g in global_params:
-        g.grad = delta[offset : offset + g.numel()].view_as(g).clone()
-        offset += g.numel()
+    for g, d in zip(global_params, delta.split([g.numel() for g in global_params])):
+        g.grad = d.view_as(g)
     outer.step()
     outer.zero_grad(set_to_none=True)
     for g, p in zip(global_params, local_params):

@@ -21,6 +21,7 @@ import secrets
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
 
 from ..config import RunConfig
 from ..dist import RankContext
@@ -70,7 +71,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
             pass
     flat, counts = buf[:n], buf[n:]
     if ctx.rank == 0:
-        flat.copy_(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        flat.copy_(parameters_to_vector(model.parameters()).detach())
         counts.zero_()
     dist.barrier()  # initial weights written before anyone trains
     share_parameters(model, flat)

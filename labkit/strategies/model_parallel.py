@@ -53,7 +53,7 @@ class SplitModel(nn.Module):
 
 
 def run_one_process(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
-    """The single-process split (untested here: this machine has no GPU)."""
+    """Every stage in this one process, stage s on cuda:s (needs P GPUs)."""
     model = build_model(cfg, ctx, fns)
     split_model = SplitModel(model, even_bounds(len(model), cfg.stages), ctx.device)
     data = data_iter(cfg, fns, rank=0, world_size=1)

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import RunConfig
 from ..data import batches, shard_loader
-from ..dist import RankContext, all_gather_single, reduce_scatter_single
+from ..dist import RankContext, all_gather_single, all_reduce_flat, reduce_scatter_single
 from ..factories import Factories
 from ..models import Block, Embed, Head
 from ..rank.loop import build_model, train_loop
@@ -319,11 +319,8 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group) -> None:
         for p in model.parameters()
         if getattr(p, "sequence_parallel", False) and p.grad is not None
     ]
-    if not grads:
-        return
-    flat = all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
-    for g, total in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(total.view_as(g))
+    if grads:
+        all_reduce_flat(grads, group)
 
 
 def full_state(model: nn.Module, group, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ inputs and outputs, by a plan of styles:
 
 What the library leaves to you: every parameter must be a DTensor. A foreach optimizer step
 (the default on GPUs) refuses a mix ("aten._foreach_add_.List got mixed torch.Tensor and
-DTensor", torch 2.14.1, seen on CPU with ``foreach=True``). So the modules no style splits (the
+DTensor"; benchmarks/README.md, "Behind the code"). So the modules no style splits (the
 embedding, the head, LayerNorms without sequence parallelism, an MLP's unpaired layers) get
 their parameters replicated (``distribute_module``) and ``PrepareModuleInputOutput`` at their
 edges, which makes the plain tensors that flow between modules DTensors and back.

@@ -23,11 +23,7 @@ from ..rank.loop import build_model, data_iter, train_loop
 
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
-    ddp_model = DDP(
-        model,
-        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb,
-    )
+    ddp_model = DDP(model, device_ids=ctx.device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
     plain = fns.optimizer(cfg, model.parameters())  # yours or labkit's: its class and settings
     optimizer = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=type(plain), **plain.defaults

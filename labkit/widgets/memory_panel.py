@@ -49,9 +49,10 @@ class MemoryPanel(BackgroundRun):
             options=list(PRECISIONS), value=base.precision, description="precision"
         )
         self.optimizer = W.Dropdown(options=list(_OPTIMIZERS), description="optimizer")
+        choices = ("ddp", "zero1", "fsdp")  # no sharding, the optimizer state, everything
         self.strategy = W.ToggleButtons(
-            options=["ddp", "zero1", "fsdp"],
-            value=base.strategy if base.strategy in ("ddp", "zero1", "fsdp") else "ddp",
+            options=list(choices),
+            value=base.strategy if base.strategy in choices else choices[0],
             description="strategy",
         )
         self.world = W.IntSlider(

@@ -9,7 +9,7 @@ import threading
 import ipywidgets as W
 import pandas as pd
 
-from .. import experiment
+from .. import experiment, registry
 from ..config import RunConfig
 from ..labs import sync_async
 from ..plots import sync_async as charts
@@ -127,10 +127,11 @@ class SyncPanel(BackgroundRun):
             return
         bar, text = self._bars[config_label(cfg)]
         step, loss = metrics["step"], f"loss {metrics['loss']:.3f}"
-        if cfg.strategy == "async_ps":  # rank 0 is the server: it counts every worker's update
+        strategy = registry.get(cfg.strategy)
+        if strategy.server:  # rank 0 is the server: it counts every worker's update
             total = metrics["total"]
             text.value = f"server: {step}/{total} updates ({cfg.world_size - 1} workers), {loss}"
-        elif cfg.strategy == "hogwild":  # the run ends at world_size x steps updates in all
+        elif strategy.kind == "asynchronous":  # the run ends at world_size x steps updates in all
             total = cfg.steps  # rank 0's share of them; a faster rank makes more than its share
             text.value = (
                 f"rank 0: {step} updates (its share {total} of {cfg.world_size * total}), {loss}"

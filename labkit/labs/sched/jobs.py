@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ... import registry
 from ...predict.collectives import CollectiveModel
 from ...predict.step import Layer, Profile, scaling
 from ...predict.whatif import DEVICES, INTERCONNECTS
@@ -177,10 +178,11 @@ def curve_from_predictor(
 def curve_from_records(table, name: str = "measured", spread_factor: float = 1.0) -> Curve:
     """A curve from ``labkit.records.summarize``'s table (one row per world size of one
     model): samples/s of the fastest data-parallel row at each world size."""
-    dp = table[table["strategy"].isin(["single", "ddp", "ddp_naive"])]
-    if dp.empty:
-        raise ValueError("the table has no single/ddp/ddp_naive rows to take a curve from")
-    pts = dp.groupby("world_size")["samples_per_s"].max().to_dict()
+    names = [n for n, s in registry.STRATEGIES.items() if s.reference or s.replicated]
+    rows = table[table["strategy"].isin(names)]
+    if rows.empty:
+        raise ValueError(f"the table has no {'/'.join(names)} rows to take a curve from")
+    pts = rows.groupby("world_size")["samples_per_s"].max().to_dict()
     busy = bool(table["busy"].any()) if "busy" in table else False
     return Curve(
         name,

@@ -1,0 +1,33 @@
+"""tests/unit starts no process: no rank, no subprocess, no fork, so the whole folder runs in
+seconds after every edit (``make test-unit``). A test here that tries fails, saying what it
+started; it belongs in tests/ranks."""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing.process
+import multiprocessing.util
+import os
+import subprocess
+
+import pytest
+
+LAUNCH = importlib.import_module("labkit.launch")  # the module: ``labkit.launch`` is the function
+
+
+def _refuse(what: str):
+    def start(*args, **kwargs):
+        raise AssertionError(f"a test in tests/unit started {what}: move it to tests/ranks")
+
+    return start
+
+
+@pytest.fixture(autouse=True)
+def no_process(monkeypatch):
+    """Every way a test could start a process, refused for the length of the test."""
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("a process"))
+    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", _refuse("a forkserver"))
+    monkeypatch.setattr(os, "fork", _refuse("a fork"))
+    monkeypatch.setattr(os, "posix_spawn", _refuse("a process (posix_spawn)"))
+    monkeypatch.setattr(LAUNCH, "launch", _refuse("ranks (labkit.launch)"))
