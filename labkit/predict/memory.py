@@ -56,6 +56,12 @@ _VIEWS = (nn.Flatten, nn.Unflatten, nn.Identity, nn.Dropout)
 _POOL = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 
 
+def view_root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was taken of, or ``t`` itself. torch has no public accessor for it:
+    this reads ``Tensor._base``, as in torch 2.14 (the one place labkit reads it)."""
+    return t if t._base is None else t._base
+
+
 def activation_bytes(
     model: nn.Module,
     input_shape: tuple,
@@ -78,7 +84,7 @@ def activation_bytes(
     batch = id(x)
 
     def base(t):
-        return id(t._base) if t._base is not None else id(t)
+        return id(view_root(t))
 
     def save(t, elem=None):
         if base(t) != batch:
@@ -149,10 +155,8 @@ def _dtype_only(size: dict, low: int, half: bool):
 
     def hook(module, args, out):
         inp = args[0]
-        b = id(inp._base) if inp._base is not None else id(inp)
-        size[id(out) if out._base is None else id(out._base)] = (
-            low if isinstance(module, _MATMUL) else size.get(b, 4)
-        )
+        b = id(view_root(inp))
+        size[id(view_root(out))] = low if isinstance(module, _MATMUL) else size.get(b, 4)
 
     return hook
 

@@ -35,7 +35,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..predict.memory import CATEGORIES  # the calculator's, so both name the same five
+from ..predict.memory import (
+    CATEGORIES,  # the calculator's, so both name the same five
+    view_root,  # the one reader of torch's private Tensor._base
+)
 
 COLUMNS = tuple(f"mem_{c}_bytes" for c in CATEGORIES)
 
@@ -46,12 +49,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
         return t
     with torch.no_grad():  # the shard itself, not an autograd view of it
         return t.to_local()
-
-
-def view_base(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor a view was taken of, or None. torch has no public accessor for it: this reads
-    ``Tensor._base``, as in torch 2.14."""
-    return t._base
 
 
 def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:
@@ -78,9 +75,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _is_param_copy(t: torch.Tensor) -> bool:
     """A leaf that trains (an FSDP-gathered parameter), or a cast of one (autocast's copy)."""
-    base = view_base(t)
-    if base is not None:  # addmm saves the weight copy transposed: a view
-        t = base
+    t = view_root(t)  # addmm saves the weight copy transposed: a view
     if t.is_leaf:
         return t.requires_grad
     fn = t.grad_fn
