@@ -7,7 +7,9 @@ execution nbval does), with plotly's ``notebook`` renderer, so every chart is em
 plotly.js and stays interactive offline; widget state is saved with the outputs (a panel shows
 its last state where the page can load Jupyter's widget manager). The front page is the
 README's overview with a table of contents in notebook order; each page links back to it and
-to the chapters before and after. ``make docs`` runs it.
+to the chapters before and after. ``notebooks/README.md`` (the course map, glossary, notation,
+formulas and references) becomes the page ``course.html``, linked from the front page.
+``make docs`` runs it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import html
 import os
 import pathlib
+import re
 import sys
 import time
 
@@ -26,9 +29,16 @@ from nbconvert.preprocessors import ExecutePreprocessor
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
+LANDING = NOTEBOOKS / "README.md"  # the course map, glossary, notation, formulas, references
+LANDING_PAGE = "course.html"
 STYLE = (
     "<style>nav.labkit{font:14px sans-serif;padding:8px 16px;background:#f4f4f4;"
     "border-bottom:1px solid #ddd}nav.labkit a{margin-right:16px}</style>"
+)
+PAGE_STYLE = (
+    "<style>body{font:16px/1.5 sans-serif;max-width:900px;margin:2em auto;padding:0 1em}"
+    "pre{background:#f6f6f6;padding:8px;overflow-x:auto}table{border-collapse:collapse}"
+    "th,td{border:1px solid #ddd;padding:4px 8px;vertical-align:top}</style>"
 )
 
 
@@ -60,22 +70,37 @@ def nav(pages: list[tuple[str, str]], at: int) -> str:
     return STYLE + '<nav class="labkit">' + "".join(links) + "</nav>"
 
 
+def document(name: str, body: str) -> str:
+    """A standalone page of the site (the front page, the course map)."""
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(name)}</title>"
+        f"{PAGE_STYLE}</head><body>{body}</body></html>"
+    )
+
+
 def front_page(pages: list[tuple[str, str]]) -> str:
     """The README up to its notebook index, then a table of contents of the built pages."""
     readme = (ROOT / "README.md").read_text()
     overview = readme.split("\n## Notebooks", 1)[0]
     toc = "".join(f'<li><a href="{href}">{html.escape(name)}</a></li>' for href, name in pages)
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>labkit</title>"
-        "<style>body{font:16px/1.5 sans-serif;max-width:900px;margin:2em auto;padding:0 1em}"
-        "pre{background:#f6f6f6;padding:8px;overflow-x:auto}</style></head><body>"
-        f"<h2>The course</h2><ol>{toc}</ol>{mistune.html(overview)}</body></html>"
+    course = (
+        f'<p><a href="{LANDING_PAGE}">The course map, glossary, notation, formulas and '
+        "references</a></p>"
     )
+    return document("labkit", f"<h2>The course</h2><ol>{toc}</ol>{course}{mistune.html(overview)}")
+
+
+def landing_page() -> str:
+    """``notebooks/README.md`` as a page: its links to notebooks point at their pages."""
+    body = mistune.html(LANDING.read_text())
+    body = re.sub(r'href="(\d\d_[\w-]+)\.ipynb"', r'href="\1.html"', body)
+    back = '<p><a href="index.html">labkit: contents</a></p>'
+    return document("labkit: the course at a glance", back + body)
 
 
 def build(out: pathlib.Path, only: list[str] | None = None) -> list[pathlib.Path]:
     """Execute and render the notebooks (all, or the ``only`` names) into ``out``; return the
-    pages written, the front page first."""
+    pages written: the front page, the course map, then the notebooks."""
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     if only:
         missing = set(only) - {p.stem for p in paths}
@@ -90,8 +115,9 @@ def build(out: pathlib.Path, only: list[str] | None = None) -> list[pathlib.Path
         rendered.append((f"{path.stem}.html", name, body))
         print(f"{path.name}: executed and rendered in {time.perf_counter() - t0:.0f} s", flush=True)
     pages = [(href, name) for href, name, _ in rendered]
-    written = [out / "index.html"]
+    written = [out / "index.html", out / LANDING_PAGE]
     written[0].write_text(front_page(pages))
+    written[1].write_text(landing_page())
     for i, (href, _, body) in enumerate(rendered):
         at = body.find(">", body.find("<body")) + 1  # right after the opening body tag
         (out / href).write_text(body[:at] + nav(pages, i) + body[at:])
@@ -106,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     only = [n.strip() for n in args.only.split(",")] if args.only else None
     written = build(pathlib.Path(args.out), only)
-    print(f"site: {written[0]} ({len(written) - 1} notebook page(s))")
+    print(f"site: {written[0]} (the course map and {len(written) - 2} notebook page(s))")
     return 0
 
 
