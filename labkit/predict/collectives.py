@@ -14,9 +14,9 @@ the nccl-tests "bus bandwidth" factors are the ``b`` below):
     broadcast        pipelined chain                              a = 1        b = 1
 
 Which algorithm a backend really runs: NCCL picks ring or tree per size and topology; gloo's
-CPU all-reduce is a ring (``gloo::allreduce``, bcube for some sizes) and its broadcast a tree
-from the root. At n = 2 every one of these sends the same bytes over the one link, so the fit is
-exact in form there; at larger n the fitted alpha absorbs the difference.
+CPU all-reduce is a ring (``gloo::allreduce``; torch never selects its bcube) and its
+broadcast a tree from the root. At n = 2 every one of these sends the same bytes over the one
+link, so the fit is exact in form there; at larger n the fitted alpha absorbs the difference.
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 
 Under DDP each rank normalises its own shard with its own batch statistics, which is a different
 computation from single-device training on the global batch (measured: resnet18 drifted 0.74
-from single after 5 steps). ``nn.SyncBatchNorm`` all-reduces the statistics, but only on GPUs
-("expected input tensor to be on GPU"). This is the same algorithm for any backend: forward
-all-reduces each channel's sum, sum of squares and count; backward all-reduces the sums of the
-output gradient and of its product with the normalised input. With equal shards and DDP's
-gradient averaging, it computes exactly what BatchNorm computes on the global batch.
+from single after 5 steps). ``nn.SyncBatchNorm`` combines the ranks' statistics (forward: an
+all-gather of each rank's mean, inverse standard deviation and count; backward: an all-reduce of
+two sums), but refuses CPU tensors ("expected input tensor to be on GPU"). This is the same
+arithmetic for any backend: forward all-reduces each channel's sum, sum of squares and count;
+backward all-reduces the sums of the output gradient and of its product with the normalised
+input. With equal shards and DDP's gradient averaging, it computes exactly what BatchNorm
+computes on the global batch.
 """
 
 from __future__ import annotations
