@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.helpers.torchrun import torchrun_standalone
+
 PY = sys.executable
 SMALL = [
     "--width",
@@ -113,29 +115,7 @@ def test_bad_input_exits_2_with_the_fix(args, message):
 def test_torchrun_standalone_runs_the_same_strategy(tmp_path):
     out = tmp_path / "run.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "labkit.worker",
-            "--strategy",
-            "ddp",
-            "--steps",
-            "4",
-            *SMALL,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    r = torchrun_standalone("--strategy", "ddp", "--steps", "4", *SMALL, "--out", str(out), env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     recs = json.loads(out.read_text())["records"]
     assert sorted({x["rank"] for x in recs}) == [0, 1]
@@ -253,29 +233,16 @@ def test_ctrl_c_stops_every_rank_and_keeps_what_finished(tmp_path):
 
 def test_torchrun_pipeline_progress_comes_from_the_last_stage_in_measured_steps(tmp_path):
     out = tmp_path / "run.json"
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "labkit.worker",
-            "--strategy",
-            "pipeline_gpipe",
-            "--stages",
-            "2",
-            "--steps",
-            "5",
-            *SMALL,
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = torchrun_standalone(
+        "--strategy",
+        "pipeline_gpipe",
+        "--stages",
+        "2",
+        "--steps",
+        "5",
+        *SMALL,
+        "--out",
+        str(out),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -286,24 +253,7 @@ def test_torchrun_pipeline_progress_comes_from_the_last_stage_in_measured_steps(
 
 
 def test_torchrun_config_errors_are_said_once_with_a_fix_that_applies():
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "labkit.worker",
-            "--strategy",
-            "single",
-            *SMALL,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = torchrun_standalone("--strategy", "single", *SMALL)
     assert r.returncode != 0
     said = (r.stdout + r.stderr).count("labkit.worker: error:")
     assert said == 1 and "--nproc-per-node 1" in r.stderr, r.stderr

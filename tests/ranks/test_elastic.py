@@ -14,32 +14,16 @@ from contextlib import contextmanager
 
 import psutil
 import pytest
-import torch
-from torch import nn
 
 from labkit import experiment
 from labkit.config import RunConfig
 from labkit.labs.elastic import ElasticError, ElasticJob, changes, free_port
 from labkit.rank import resume
+from tests.helpers.checkpoints import save_checkpoint
+from tests.helpers.torchrun import torchrun_standalone
 
 PY = sys.executable
 TINY = dict(width=32, depth=2, global_batch=32, dataset_size=256, warmup=0, timeout_s=60)
-
-
-def _save(folder, cfg, step=3, model=None):
-    model = model or nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return resume.save(
-        folder,
-        step=step,
-        epoch=0,
-        offset=0,
-        world_size=1,
-        cfg=cfg,
-        model=model,
-        optimizer=opt,
-        rng=[resume.rng_state()],
-    )
 
 
 @contextmanager
@@ -60,10 +44,10 @@ def refusing_writes(folder):
 
 def test_a_folder_refusing_writes_keeps_the_previous_checkpoint(tmp_path):
     cfg = RunConfig(strategy="single", world_size=1)
-    _save(tmp_path, cfg, step=3)
+    save_checkpoint(tmp_path, cfg, step=3)
     with refusing_writes(tmp_path):
         with pytest.raises(resume.CheckpointError, match="previous one.*intact"):
-            _save(tmp_path, cfg, step=4)
+            save_checkpoint(tmp_path, cfg, step=4)
     assert resume.load(str(tmp_path), cfg).step == 3
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
@@ -139,25 +123,7 @@ def test_two_agents_on_loopback_write_the_standalone_records(tmp_path):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     alone = tmp_path / "alone.json"
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "labkit.worker",
-            *args,
-            "--out",
-            str(alone),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    r = torchrun_standalone(*args, "--out", str(alone), timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     port, two = free_port(), tmp_path / "two.json"
     cmd = [

@@ -14,16 +14,9 @@ from torch.utils.data import TensorDataset
 from labkit import RunConfig
 from labkit.cli import main
 from labkit.labs import equivalence
-from tests.helpers.models import centred_mlp
+from tests.helpers.models import TinyTransformer, bn_mlp, centred_mlp, dropout_mlp, vectors
 
 BASE = RunConfig(strategy="ddp", world_size=2, global_batch=32, dataset_size=128, timeout_s=180)
-
-
-def vectors(cfg):
-    g = torch.Generator().manual_seed(cfg.seed)
-    return TensorDataset(
-        torch.randn(128, 32, generator=g), torch.randint(0, 10, (128,), generator=g)
-    )
 
 
 def sequences(cfg):  # 128 sequences of 6 tokens with 16 features
@@ -38,26 +31,6 @@ def images(cfg):  # small synthetic RGB images, like decoded files
     return TensorDataset(
         torch.randn(32, 3, 32, 32, generator=g), torch.randint(0, 10, (32,), generator=g)
     )
-
-
-def bn_mlp(cfg):
-    return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def dropout_mlp(cfg):
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
-
-
-class TinyTransformer(nn.Module):
-    def __init__(self, dropout: float | None):
-        super().__init__()
-        kw = {} if dropout is None else {"dropout": dropout}  # None: PyTorch's default, 0.1
-        layer = nn.TransformerEncoderLayer(16, nhead=2, dim_feedforward=32, batch_first=True, **kw)
-        self.encoder = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
-        self.head = nn.Linear(16, 10)
-
-    def forward(self, x):
-        return self.head(self.encoder(x).mean(dim=1))
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ Here, the tests that run ranks or subprocesses; the rest: tests/unit/test_gpu_ch
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -18,10 +17,7 @@ from labkit.gpu_check import Check, Target
 from labkit.launch import launch
 from tests.conftest import REPO, cuda_skip_reason
 from tests.helpers import ranks
-
-
-def read(out) -> tuple[dict, list[str]]:
-    return json.loads((out / "gpu.json").read_text()), (out / "gpu.txt").read_text().splitlines()
+from tests.helpers.gpu_check import read_gpu_check
 
 
 def test_a_rank_that_raises_fails_its_row_with_the_ranks_own_last_line():
@@ -37,7 +33,7 @@ def test_a_rank_that_raises_fails_its_row_with_the_ranks_own_last_line():
 def test_the_cpu_pass_runs_real_rows_end_to_end_and_they_pass(tmp_path):
     only = "run ddp_naive,check ddp_naive,comm hook fp16,precision bf16"
     assert gpu_check.main(["--cpu", "--only", only, "--out", str(tmp_path)]) == 0
-    doc, text = read(tmp_path)
+    doc, text = read_gpu_check(tmp_path)
     units = gpu_check.cpu_target().units
     verdicts = {(r["name"], r["world_size"]): r["verdict"] for r in doc["rows"]}
     expected = {("run ddp_naive", w): "pass" if w <= units else "skipped" for w in (1, 2, 4)}
@@ -80,7 +76,7 @@ def test_the_cuda_marker_skips_with_the_reason_in_the_summary():
 def test_on_this_machines_gpus_the_check_passes(tmp_path):
     only = "run ddp,check ddp,cuda events,peak memory,comm hook fp16,precision bf16"
     assert gpu_check.main(["--only", only, "--out", str(tmp_path)]) == 0
-    doc, _ = read(tmp_path)
+    doc, _ = read_gpu_check(tmp_path)
     ran = [r for r in doc["rows"] if r["verdict"] == "pass"]
     assert ran and all(r["device"] == "cuda" for r in ran)
     assert any(r["name"] == "cuda events" for r in ran)

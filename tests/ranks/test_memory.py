@@ -7,23 +7,12 @@ Here, the tests that run ranks or subprocesses; the rest: tests/unit/test_memory
 
 from __future__ import annotations
 
-from labkit import RunConfig, experiment
+from labkit import experiment
 from labkit.env import fp16_supported
 from labkit.labs import equivalence, memory
 from labkit.labs.memory import calculator_error
 from labkit.models import make_model
-
-BASE = RunConfig(
-    strategy="ddp",
-    world_size=2,
-    steps=3,
-    warmup=1,
-    global_batch=32,
-    width=64,
-    depth=2,
-    dataset_size=256,
-)
-
+from tests.helpers.configs import SMALL_DDP as BASE
 
 # ---- real ranks --------------------------------------------------------------------------------
 

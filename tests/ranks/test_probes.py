@@ -18,14 +18,7 @@ from labkit.rank.probes import (
     PHASES,
     StepProbe,
 )
-
-
-def _timed_step(probe: StepProbe, naps: dict[str, float], **finish) -> dict:
-    probe.start()
-    for phase in PHASES:
-        time.sleep(naps.get(phase, 0.0))
-        probe.mark(phase)
-    return probe.finish(**finish)
+from tests.helpers.probes import timed_step
 
 
 def _spin(seconds: float) -> None:
@@ -53,7 +46,7 @@ def test_cpu_share_counts_waiting_for_a_core_not_waiting_for_peers():
 
     torch.set_num_threads(1)
     probe = StepProbe("cpu")
-    _timed_step(probe, {"forward": 0.03, "backward": 0.03})
+    timed_step(probe, {"forward": 0.03, "backward": 0.03})
     # 60 ms blocked (like a collective) is not contention: what the probe counts as waiting for
     # a core is the wake-ups' run-queue delay only (a few ms even on a loaded machine), not the
     # time blocked, which a clock of CPU time against wall time would count

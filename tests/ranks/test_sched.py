@@ -8,19 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from labkit.labs.sched import sim, traces
-from labkit.labs.sched.jobs import PRESETS, Job
-
-LINEAR = PRESETS["linear"]  # throughput = workers (samples/s)
-
-
-def job(jid, arrival, gpus, duration, priority=0, curve=LINEAR, **kw):
-    return Job(jid, arrival, gpus, duration * curve(gpus), curve, priority, **kw)
-
-
-def run(jobs, cluster, policy, **kw):
-    res = sim.simulate(jobs, cluster, policy, **kw)
-    return {j.job_id: round(j.jct_s, 6) for j in res.jobs}, res
+from labkit.labs.sched import traces
+from tests.helpers.procs import pid_alive, wait_gone
 
 
 def test_cli_prints_a_table_per_policy(tmp_path):
@@ -56,13 +45,26 @@ def test_cli_prints_a_table_per_policy(tmp_path):
 
 
 def _children() -> set:
+    """Every live process below this one but multiprocessing's own helpers (the forkserver and
+    the resource tracker, started once and kept): a rank the forkserver forked counts."""
     import psutil
 
-    return {
-        p.pid
-        for p in psutil.Process().children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline())
-    }
+    me = psutil.Process()
+    helpers = set()
+    for p in me.children():
+        try:
+            if any(h in " ".join(p.cmdline()) for h in ("forkserver", "resource_tracker")):
+                helpers.add(p.pid)
+        except psutil.Error:  # gone, or a zombie whose command line cannot be read
+            continue
+    return {p.pid for p in me.children(recursive=True) if p.pid not in helpers and pid_alive(p.pid)}
+
+
+def _left_after(before: set, grace_s: float = 2.0) -> set:
+    """What this test started and is still running ``grace_s`` after it returned (a launch
+    reaps its killed ranks on a background thread: a dying rank gets that long to exit)."""
+    wait_gone(_children() - before, grace_s)
+    return _children() - before
 
 
 # each replayed step lasts at least this long (RunConfig.pace_s): a job of n steps runs for at
@@ -94,7 +96,7 @@ def test_replay_on_a_three_job_trace_preempts_for_real_and_leaves_no_process(mon
     assert paces == [PACE_S] * 4  # job 0, job 1, job 0 resumed, job 2
     assert report.jobs["real_restarts"].sum() == report.jobs["sim_restarts"].sum() == 1
     assert set(report.table.columns) >= {"policy", "sim_mean_jct_s", "real_mean_jct_s", "error"}
-    assert _children() - before == set()
+    assert _left_after(before) == set()
 
 
 def test_replay_resizes_an_elastic_job_for_real():
@@ -110,7 +112,7 @@ def test_replay_resizes_an_elastic_job_for_real():
     # checkpoint resumed by a 2-rank ddp run
     assert jobs[0].restarts >= 1
     assert any(g["job_id"] == 0 and g["gpus"] == 2 for g in gantt), gantt
-    assert _children() - before == set()
+    assert _left_after(before) == set()
 
 
 def test_cli_replay_recalibrates_before_each_policy(tmp_path):

@@ -9,25 +9,14 @@ Here, the tests that run ranks or subprocesses; the rest: tests/unit/test_sync_a
 from __future__ import annotations
 
 import glob
-import math
 
 import pandas as pd
 import pytest
 import torch
 
-from labkit import RunConfig, experiment
+from labkit import experiment
 from labkit.labs import sync_async
-
-BASE = RunConfig(
-    world_size=2,
-    steps=6,
-    warmup=0,
-    global_batch=32,
-    width=32,
-    depth=1,
-    dataset_size=512,
-    timeout_s=60,
-)
+from tests.helpers.configs import SYNC_ASYNC_BASE as BASE
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -124,45 +113,7 @@ def test_straggler_slows_its_rank_in_the_labs_modes(no_leftover_ranks):  # slept
     assert compute[1] >= 2 * compute[0], compute.to_dict()
 
 
-# ---- to a target loss, on synthetic records --------------------------------------------------
-
-
-def synthetic() -> pd.DataFrame:
-    common = dict(world_size=2, global_batch=4, threads=1, compute_cpu_share=1.0, variant="")
-    rows = []
-    for step, loss in enumerate([2.0, 1.5, 1.0]):  # ddp: 2 ranks, 2 samples each
-        for rank in (0, 1):
-            rows.append(
-                dict(
-                    common,
-                    strategy="ddp",
-                    rank=rank,
-                    step=step,
-                    loss=loss,
-                    shard_loss=loss,
-                    samples=2,
-                    start_s=step,
-                    step_s=0.5 + rank * 0.25,
-                    comm_bytes=100,
-                )
-            )
-    for i, (rank, loss, stale) in enumerate([(0, 2.0, 0), (1, 1.8, 1), (0, 1.2, 1), (1, 0.9, 2)]):
-        rows.append(
-            dict(
-                common,
-                strategy="hogwild",
-                rank=rank,
-                step=i // 2,
-                shard_loss=loss,
-                loss=math.nan,
-                samples=2,
-                start_s=0.1 * i,
-                step_s=0.1,
-                comm_bytes=0,
-                staleness=stale,
-            )
-        )
-    return pd.DataFrame(rows)
+# ---- a worker that fails ---------------------------------------------------------------------
 
 
 class FailingLoss(torch.nn.Module):

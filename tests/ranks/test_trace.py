@@ -22,6 +22,8 @@ from labkit import RunConfig, experiment
 from labkit.rank.probes import TIME_COLUMNS
 from labkit.records import summarize
 from labkit.trace import to_chrome_trace
+from tests.helpers.torchrun import torchrun_standalone
+from tests.helpers.traces import EVERY_KIND, NS, crossings, timeline
 
 SMALL = RunConfig(width=64, depth=2, steps=3, warmup=1, global_batch=32, dataset_size=512)
 KEYS = {"X": {"name", "ph", "ts", "dur", "pid", "tid"}, "i": {"name", "ph", "ts", "pid"},
@@ -87,47 +89,7 @@ def test_a_ddp_and_a_pipeline_run_trace_one_process_per_rank_on_one_clock(tmp_pa
     assert other["world_sizes"] == [2] and other["command"] == "test" and "busy" in other
 
 
-# one strategy of each kind in labkit.registry, both pipeline schedules, and both ways of
-# being asynchronous (a parameter server's updates, Hogwild's shared model)
-EVERY_KIND = {
-    "single": {"world_size": 1},
-    "ddp": {},
-    "fsdp": {},
-    "pipeline_gpipe": {},
-    "pipeline_1f1b": {},
-    "tp": {},
-    "dp_tp": {"world_size": 4, "tp": 2},
-    "dp_pp": {"world_size": 4},
-    "local_sgd": {"period": 2},
-    "async_ps": {"world_size": 3},
-    "hogwild": {},
-}
 PHASES = {c.removesuffix("_s") for c in TIME_COLUMNS} - {"step"}  # a record's phase columns
-NS = 1000  # the trace's times are microseconds; compared here in integer nanoseconds
-
-
-def timeline(trace: dict) -> dict:
-    """Per (pid, tid), the complete events as (start ns, end ns, event); per pid, its rank."""
-    ranks = {e["pid"]: int(e["args"]["name"].split()[1]) for e in trace["traceEvents"]
-             if e["ph"] == "M" and e["name"] == "process_name"}  # fmt: skip
-    threads: dict = {}
-    for e in trace["traceEvents"]:
-        if e["ph"] == "X":
-            span = (round(e["ts"] * NS), round((e["ts"] + e["dur"]) * NS), e)
-            threads.setdefault((e["pid"], e["tid"]), []).append(span)
-    return {"ranks": ranks, "threads": threads}
-
-
-def crossings(spans: list) -> list:
-    """Pairs of events on one thread that overlap without one holding the other."""
-    return [
-        (a[2]["name"], b[2]["name"])
-        for i, a in enumerate(spans)
-        for b in spans[i + 1 :]
-        if max(a[0], b[0]) < min(a[1], b[1])  # they overlap
-        and not (a[0] <= b[0] and b[1] <= a[1])
-        and not (b[0] <= a[0] and a[1] <= b[1])
-    ]
 
 
 @pytest.mark.parametrize("strategy", list(EVERY_KIND))
@@ -241,11 +203,9 @@ def test_compare_and_the_torchrun_worker_write_traces(tmp_path):
     assert r.returncode == 0, r.stderr
     assert len(read(tmp_path / "c.json")["processes"]) == 4  # 2 runs x 2 ranks
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "labkit.worker", "--strategy", "ddp", *small, "--trace", str(tmp_path / "w.json")],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    r = torchrun_standalone(
+        "--strategy", "ddp", *small, "--trace", str(tmp_path / "w.json"), env=env
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     got = read(tmp_path / "w.json")
     assert sorted(got["processes"].values()) == ["rank 0, node 0", "rank 1, node 0"]

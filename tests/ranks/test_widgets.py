@@ -8,6 +8,7 @@ import time
 
 from labkit import RunConfig
 from labkit.widgets import pipeline_panel, run_panel
+from tests.helpers.panels import progress_texts
 
 SMALL = RunConfig(width=64, depth=2, global_batch=32, dataset_size=512, steps=5, warmup=1)
 PLOTLY = "application/vnd.plotly.v1+json"
@@ -171,10 +172,6 @@ def test_save_trace_writes_the_last_run_as_a_chrome_trace(tmp_path, monkeypatch)
     assert sched_panel().trace_button.layout.display == "none"  # a simulation has no ranks
 
 
-def _progress_texts(panel) -> dict:
-    return {row.children[0].description: row.children[1].value for row in panel.bars.children}
-
-
 def test_stopping_an_elastic_run_answers_within_a_second_and_leaves_no_process():
     import psutil
 
@@ -183,7 +180,7 @@ def test_stopping_an_elastic_run_answers_within_a_second_and_leaves_no_process()
     panel = elastic_panel(SMALL.replace(strategy="ddp", steps=2000, pace_s=0.05, timeout_s=60))
     panel.start()
     deadline = time.time() + 60
-    while time.time() < deadline and "step" not in "".join(_progress_texts(panel).values()):
+    while time.time() < deadline and "step" not in "".join(progress_texts(panel).values()):
         time.sleep(0.05)  # torchrun's agent and its worker are training
     job = panel.job
     procs = [psutil.Process(a.proc.pid) for a in job.agents]

@@ -15,23 +15,7 @@ from torch import nn
 from labkit.config import RunConfig
 from labkit.labs.elastic import check_nnodes
 from labkit.rank import resume
-
-
-def _save(folder, cfg, step=3, model=None):
-    model = model or nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return resume.save(
-        folder,
-        step=step,
-        epoch=0,
-        offset=0,
-        world_size=1,
-        cfg=cfg,
-        model=model,
-        optimizer=opt,
-        rng=[resume.rng_state()],
-    )
-
+from tests.helpers.checkpoints import save_checkpoint
 
 # ---- the file ----------------------------------------------------------------------------------
 
@@ -40,7 +24,7 @@ def test_save_load_round_trip_and_rng(tmp_path):
     cfg = RunConfig(strategy="single", world_size=1)
     model = nn.Linear(4, 2)
     torch.manual_seed(7)
-    _save(tmp_path, cfg, 5, model)
+    save_checkpoint(tmp_path, cfg, 5, model)
     expected = torch.rand(3)
     torch.rand(10)  # move the stream on
     ck = resume.load(str(tmp_path), cfg)
@@ -53,7 +37,7 @@ def test_save_load_round_trip_and_rng(tmp_path):
 
 def test_truncated_foreign_and_other_run_are_refused(tmp_path):
     cfg = RunConfig(strategy="single", world_size=1)
-    path = _save(tmp_path, cfg)
+    path = save_checkpoint(tmp_path, cfg)
     raw = open(path, "rb").read()
     open(path, "wb").write(raw[:-100])
     with pytest.raises(resume.CheckpointError, match="truncated"):
@@ -72,7 +56,7 @@ def test_truncated_foreign_and_other_run_are_refused(tmp_path):
 
 def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     cfg = RunConfig(strategy="single", world_size=1)
-    _save(tmp_path, cfg, step=3)
+    save_checkpoint(tmp_path, cfg, step=3)
     size = os.path.getsize(tmp_path / "checkpoint.pt")
     # files may not grow past 4 KiB for a moment: the write of a bigger model fails half-way
     # (EFBIG, as a full disk's ENOSPC would), after the temporary file was created
@@ -81,7 +65,7 @@ def test_a_full_disk_mid_write_keeps_the_previous_checkpoint(tmp_path):
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
     try:
         with pytest.raises(resume.CheckpointError, match="previous one.*intact"):
-            _save(tmp_path, cfg, step=9, model=nn.Linear(256, 256))
+            save_checkpoint(tmp_path, cfg, step=9, model=nn.Linear(256, 256))
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)

@@ -11,23 +11,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit import RunConfig, experiment
-
-SMALL = RunConfig(
-    strategy="ddp",
-    world_size=2,
-    steps=3,
-    warmup=1,
-    global_batch=32,
-    width=64,
-    depth=3,
-    dataset_size=256,
-    timeout_s=120,
-)
-
-
-def global_rng_data(cfg):  # no generator: draws from torch's global RNG
-    return TensorDataset(torch.randn(256, 32), torch.randint(0, 10, (256,)))
+from labkit import experiment
+from tests.helpers.configs import SMALL_DDP_3_LAYERS as SMALL
+from tests.helpers.models import global_rng_data
 
 
 class TinyTransformer(nn.Module):

@@ -7,25 +7,20 @@ tests/ranks/test_gpu_check.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from labkit import gpu_check, registry
 from labkit.gpu_check import Check, Failed, Skip, Target
+from tests.helpers.gpu_check import read_gpu_check
 
 FIELDS = {"name", "world_size", "device", "backend", "verdict", "seconds", "detail", "error"}
-
-
-def read(out) -> tuple[dict, list[str]]:
-    return json.loads((out / "gpu.json").read_text()), (out / "gpu.txt").read_text().splitlines()
 
 
 def test_without_a_gpu_every_row_is_skipped_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["--out", str(tmp_path)]) == 0  # skips are not failures
-    doc, text = read(tmp_path)
+    doc, text = read_gpu_check(tmp_path)
     rows = doc["rows"]
     assert rows and all(set(r) == FIELDS for r in rows)
     assert {r["verdict"] for r in rows} == {"skipped"}
@@ -83,7 +78,7 @@ def test_a_failing_row_carries_its_error_and_the_rows_after_it_still_run(tmp_pat
     ]
     monkeypatch.setattr(gpu_check, "checks", lambda target: todo)
     assert gpu_check.main(["--cpu", "--out", str(tmp_path)]) == 1  # a row failed
-    doc, text = read(tmp_path)
+    doc, text = read_gpu_check(tmp_path)
     got = [(r["name"], r["verdict"], r["detail"]) for r in doc["rows"]]
     assert got == [
         ("broken", "fail", "ValueError: the real reason"),

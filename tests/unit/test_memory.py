@@ -15,25 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, env
+from labkit import env
 from labkit.cli import build_parser
 from labkit.flags import config_from_args
 from labkit.models import checkpoint_blocks, cnn
 from labkit.predict.memory import activation_bytes, shard_numels, transformer
 from labkit.rank import precision
 from labkit.rank.memory_meter import MemoryMeter
-
-BASE = RunConfig(
-    strategy="ddp",
-    world_size=2,
-    steps=3,
-    warmup=1,
-    global_batch=32,
-    width=64,
-    depth=2,
-    dataset_size=256,
-)
-
+from tests.helpers.configs import SMALL_DDP as BASE
 
 # ---- counting, in one process ---------------------------------------------------------------
 

@@ -19,22 +19,15 @@ from labkit.rank.probes import (
     grad_bytes,
     probe_overhead_s,
 )
+from tests.helpers.probes import timed_step
 
 NAP_S = 0.01  # long enough to see, short enough to keep tests fast
-
-
-def _timed_step(probe: StepProbe, naps: dict[str, float], **finish) -> dict:
-    probe.start()
-    for phase in PHASES:
-        time.sleep(naps.get(phase, 0.0))
-        probe.mark(phase)
-    return probe.finish(**finish)
 
 
 def test_phase_times_add_up_to_step_s_and_each_covers_its_work():
     probe = StepProbe(torch.device("cpu"))
     naps = {"data": NAP_S, "forward": 2 * NAP_S, "backward": 3 * NAP_S, "optimizer": NAP_S}
-    rec = _timed_step(probe, naps)
+    rec = timed_step(probe, naps)
     phases = sum(rec[f"{p}_s"] for p in PHASES)
     assert math.isclose(phases, rec["step_s"], rel_tol=0, abs_tol=1e-6)
     for phase, nap in naps.items():
@@ -45,17 +38,17 @@ def test_phase_times_add_up_to_step_s_and_each_covers_its_work():
 def test_timing_columns_cover_every_phase_and_say_what_was_in_flight():
     traffic = {"comm_bytes": 1024, "comm_calls": 2, "comm_payload_bytes": 1024,
                "comm_in_flight_s": 0.5, "comm_untimed": 0}  # fmt: skip
-    timing = _timed_step(StepProbe("cpu"), {"comm": NAP_S}, traffic=traffic)
+    timing = timed_step(StepProbe("cpu"), {"comm": NAP_S}, traffic=traffic)
     assert set(TIME_COLUMNS) <= set(timing) and timing["start_s"] > 0
     assert timing["comm_total_s"] == 0.5  # every collective timed: their time in flight
-    untimed = _timed_step(StepProbe("cpu"), {"comm": NAP_S})  # none timed: the phase itself
+    untimed = timed_step(StepProbe("cpu"), {"comm": NAP_S})  # none timed: the phase itself
     assert untimed["comm_total_s"] == untimed["comm_s"] >= NAP_S
     assert all(isinstance(v, float) for v in timing.values())
 
 
 def test_comm_baseline_moves_exposed_communication_out_of_backward():
     probe = StepProbe("cpu")
-    rec = _timed_step(probe, {"backward": 3 * NAP_S}, comm_baseline_s=NAP_S)
+    rec = timed_step(probe, {"backward": 3 * NAP_S}, comm_baseline_s=NAP_S)
     # backward is trimmed to the no-communication baseline; the rest is exposed communication
     assert math.isclose(rec["backward_s"], NAP_S, abs_tol=1e-9)
     assert rec["comm_s"] >= 2 * NAP_S - 1e-6
@@ -64,7 +57,7 @@ def test_comm_baseline_moves_exposed_communication_out_of_backward():
 
 
 def test_a_baseline_longer_than_backward_exposes_nothing():
-    rec = _timed_step(StepProbe("cpu"), {"backward": NAP_S}, comm_baseline_s=10.0)
+    rec = timed_step(StepProbe("cpu"), {"backward": NAP_S}, comm_baseline_s=10.0)
     assert rec["comm_s"] < NAP_S and rec["backward_s"] >= NAP_S
 
 

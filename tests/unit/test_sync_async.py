@@ -15,23 +15,11 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import RunConfig
 from labkit.labs import sync_async
 from labkit.records import config_label
 from labkit.strategies import diloco, hogwild
 from labkit.strategies.async_ps import ParameterServer
-
-BASE = RunConfig(
-    world_size=2,
-    steps=6,
-    warmup=0,
-    global_batch=32,
-    width=32,
-    depth=1,
-    dataset_size=512,
-    timeout_s=60,
-)
-
+from tests.helpers.configs import SYNC_ASYNC_BASE as BASE
 
 # ---- configuration ---------------------------------------------------------------------------
 

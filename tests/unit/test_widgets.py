@@ -4,19 +4,14 @@ background-thread path redrawing the Output widget, Stop and Interrupt, finished
 Here, what starts no process; the tests that run ranks or subprocesses:
 tests/ranks/test_widgets.py."""
 
-import json
 import time
 
 from labkit import RunConfig
 from labkit.env import probe
 from labkit.widgets import pipeline_panel, run_panel, world_sizes_upto
+from tests.helpers.panels import progress_texts
 
 SMALL = RunConfig(width=64, depth=2, global_batch=32, dataset_size=512, steps=5, warmup=1)
-
-
-def shown(panel) -> str:
-    """Everything the panel's Output widget holds, as text (tables' HTML, figures' JSON)."""
-    return json.dumps([o["data"] for o in panel.out.outputs])
 
 
 def test_world_sizes_upto():
@@ -62,9 +57,9 @@ def test_stopping_a_simulation_does_not_claim_to_terminate_ranks():
         panel.policies.value = policies
         panel.start()
         deadline = time.time() + 30
-        while time.time() < deadline and not _progress_texts(panel).get("maxmin"):
+        while time.time() < deadline and not progress_texts(panel).get("maxmin"):
             time.sleep(0.02)  # maxmin has reported (fifo, if chosen, is done: ~0.1 s)
-        texts = _progress_texts(panel)  # a bar per policy: its jobs finished
+        texts = progress_texts(panel)  # a bar per policy: its jobs finished
         assert texts["maxmin"].endswith(f"/{panel.jobs.max:,} jobs finished"), texts
         t0 = time.time()
         panel.stop("the Stop button")
@@ -79,7 +74,3 @@ def test_stopping_a_simulation_does_not_claim_to_terminate_ranks():
             assert "showing the runs that had finished" in said and "earlier" not in said, said
             assert list(panel.table["policy"]) == ["fifo"]
             assert panel.table["jobs"].iloc[0] == panel.jobs.max
-
-
-def _progress_texts(panel) -> dict:
-    return {row.children[0].description: row.children[1].value for row in panel.bars.children}
