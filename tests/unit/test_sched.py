@@ -384,3 +384,26 @@ def test_generated_jobs_pay_the_measured_start_and_the_metrics_show_it():
     assert finish == {0: 125.0, 1: 30.0}
     m = res.metrics()
     assert m["gpu_hours"] * 3600 == 125.0 and m["start_share"] == 5.0 / 125.0
+
+
+def test_a_replay_is_busy_when_its_calibration_or_a_replayed_run_was():
+    """The notebook's bound on the replay's error widens only on a busy machine: one whose
+    calibration, or one of whose replayed runs, finished with the ranks' CPU share below the
+    busy mark; a quiet one keeps the tight bound."""
+    import pandas as pd
+
+    from labkit.labs.sched import replay
+    from labkit.records import BUSY_SHARE
+
+    def report(cal_busy: bool, segments: list[dict]) -> replay.ReplayReport:
+        cal = replay.Calibration({1: 1.0, 2: 1.5}, {1: 0.1, 2: 0.1}, 0.0, busy=cal_busy)
+        return replay.ReplayReport(
+            cal, [], pd.DataFrame(), pd.DataFrame(), real={"fifo": ([], segments)}
+        )
+
+    quiet, loaded = {"job_id": 0, "busy": False}, {"job_id": 1, "busy": True}
+    assert not report(False, [quiet, quiet]).busy
+    assert report(False, [quiet, loaded]).busy
+    assert report(True, [quiet]).busy
+    assert replay._busy(pd.DataFrame({"compute_cpu_share": [BUSY_SHARE / 2] * 3}))
+    assert not replay._busy(pd.DataFrame({"compute_cpu_share": [0.95] * 3}))

@@ -125,7 +125,6 @@ def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
     (launch, model build, resume) and teardown."""
     from ...experiment import run
     from ...rank.resume import read_timeline
-    from ...records import BUSY_SHARE
 
     t0 = time.perf_counter()
     res = run(cfg, cancel=cancel)
@@ -135,9 +134,16 @@ def _timed_run(cfg: RunConfig, cancel=None) -> tuple[float, float, int, bool]:
     stamps = [r["time"] for r in rows[last_start:] if r.get("event") == "step"]
     n = len(stamps)
     per_step = (stamps[-1] - stamps[0]) / (n - 1) if n > 1 else wall
-    share = res.records.get("compute_cpu_share")
-    busy = bool(share is not None and share.median() < BUSY_SHARE)
-    return wall, per_step * n, n, busy
+    return wall, per_step * n, n, _busy(res.records)
+
+
+def _busy(records) -> bool:
+    """The run's ranks did not get their cores: the median step's CPU share fell below labkit's
+    busy mark (``labkit.records.BUSY_SHARE``)."""
+    from ...records import BUSY_SHARE
+
+    share = records.get("compute_cpu_share")
+    return bool(share is not None and share.median() < BUSY_SHARE)
 
 
 def calibrate(steps: int = 30, folder: str | None = None, pace_s: float = 0.0) -> Calibration:
@@ -222,6 +228,7 @@ class _Handle:
     def __init__(self, cfg: RunConfig):
         self.cfg, self.cancel, self.step = cfg, threading.Event(), 0
         self.error: BaseException | None = None
+        self.busy = False  # a run that finished: its ranks did not get their cores
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -230,11 +237,12 @@ class _Handle:
         from ...launch import LaunchCancelled
 
         try:
-            run(
+            res = run(
                 self.cfg,
                 cancel=self.cancel,
                 on_progress=lambda rank, m: setattr(self, "step", max(self.step, m["step"])),
             )
+            self.busy = _busy(res.records)
         except LaunchCancelled:
             pass
         except BaseException as exc:  # kept for the executor, which raises it
@@ -307,7 +315,8 @@ def execute(
     def stop(s: _State) -> None:
         nonlocal free
         jid = s.job.job_id
-        handles.pop(jid).stop(BASE.timeout_s)
+        handle = handles.pop(jid)
+        handle.stop(BASE.timeout_s)
         t = now()
         s.done = float(_checkpointed_step(os.path.join(folder, f"job{jid}")))
         s.settle(t)
@@ -321,6 +330,7 @@ def execute(
                 "spread": False,
                 "ready_s": s.seg_start,
                 "priority": s.job.priority,
+                "busy": handle.busy,  # a segment that ran to the job's end on a busy machine
             }
         )
         free += s.alloc
@@ -429,6 +439,15 @@ class ReplayReport:
         return float(self.table["error"].abs().mean())
 
     @property
+    def busy(self) -> bool:
+        """Another program took the ranks' cores while calibrating or while replaying (a run
+        that finished with its median step's CPU share below labkit's busy mark): measured
+        times then move with that load, not with the policy."""
+        return self.calibration.busy or any(
+            seg.get("busy") for _, gantt in self.real.values() for seg in gantt
+        )
+
+    @property
     def same_ranking(self) -> bool:
         return list(self.table.sort_values("sim_mean_jct_s")["policy"]) == list(
             self.table.sort_values("real_mean_jct_s")["policy"]
@@ -442,7 +461,8 @@ class ReplayReport:
             f"measured: {c.steps_per_s[1]:.1f} steps/s on 1 worker, {c.steps_per_s[2]:.1f} on 2 "
             f"({c.steps_per_s[2] / c.steps_per_s[1]:.2f}x); start-up {c.startup_s[1]:.2f} s "
             f"(1 worker) / {c.startup_s[2]:.2f} s (2), resume adds {c.resume_extra_s:.2f} s"
-            f"{' (machine busy while measuring)' if c.busy else ''}\n"
+            f"{' (machine busy while measuring)' if c.busy else ''}"
+            f"{' (machine busy while replaying)' if self.busy and not c.busy else ''}\n"
             f"mean JCT error (simulated / real - 1), mean of |error| over policies: "
             f"{self.mean_abs_error:.1%}\n"
             f"ranking by mean JCT: simulated {rank_sim}; real {rank_real} "
