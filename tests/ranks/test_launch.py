@@ -515,7 +515,12 @@ def _run_cell(kc, code: str, timeout: float = 120) -> tuple[dict, str]:
         elif msg["msg_type"] == "error":
             out.append("\n".join(msg["content"]["traceback"]))
 
-    reply = kc.execute_interactive(code, timeout=timeout, output_hook=collect)
+    for _ in range(3):
+        reply = kc.execute_interactive(code, timeout=timeout, output_hook=collect)
+        # right after an interrupted cell, ipykernel aborts a request that reaches it while it
+        # still clears its queue (stop_on_error): never run, so sending it again is the same cell
+        if reply["content"]["status"] != "aborted":
+            break
     return reply["content"], "".join(out)
 
 
