@@ -90,10 +90,14 @@ def front_page(pages: list[tuple[str, str]]) -> str:
     return document("labkit", f"<h2>The course</h2><ol>{toc}</ol>{course}{mistune.html(overview)}")
 
 
+def to_pages(body: str) -> str:
+    """Links to notebooks (``02_x.ipynb``, ``00_x.ipynb#anchor``) pointed at their pages."""
+    return re.sub(r'href="(\d\d_[\w-]+)\.ipynb(#[\w-]+)?"', r'href="\1.html\2"', body)
+
+
 def landing_page() -> str:
     """``notebooks/README.md`` as a page: its links to notebooks point at their pages."""
-    body = mistune.html(LANDING.read_text())
-    body = re.sub(r'href="(\d\d_[\w-]+)\.ipynb"', r'href="\1.html"', body)
+    body = to_pages(mistune.html(LANDING.read_text()))
     back = '<p><a href="index.html">labkit: contents</a></p>'
     return document("labkit: the course at a glance", back + body)
 
@@ -112,7 +116,7 @@ def build(out: pathlib.Path, only: list[str] | None = None) -> list[pathlib.Path
     for path in paths:
         t0 = time.perf_counter()
         name, body = render(path)
-        rendered.append((f"{path.stem}.html", name, body))
+        rendered.append((f"{path.stem}.html", name, to_pages(body)))
         print(f"{path.name}: executed and rendered in {time.perf_counter() - t0:.0f} s", flush=True)
     pages = [(href, name) for href, name, _ in rendered]
     written = [out / "index.html", out / LANDING_PAGE]

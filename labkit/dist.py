@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import gc
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -352,3 +353,65 @@ def gather_to_main(obj) -> list | None:
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
+
+
+def on_threads(fn: Callable, world_size: int, timeout_s: float = 30.0) -> list:
+    """``fn(group)`` on ``world_size`` threads of this process, each rank ``group.rank()`` of a
+    real gloo group of its own (an in-memory store between them): the collectives run exactly
+    as between processes, without starting one. What the lessons draw runs this way; ranks that
+    train need processes (``labkit.launch``). Returns each rank's result, in rank order; the
+    first error any rank raised is raised here once every thread has stopped (a peer left
+    waiting on the failed rank times out after ``timeout_s``: that error comes later)."""
+    import threading
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    store = dist.HashStore()
+    results: list = [None] * world_size
+    errors: list = []  # in the order they happened
+
+    def rank(r: int) -> None:
+        try:
+            group = dist.ProcessGroupGloo(
+                dist.PrefixStore("labkit-threads", store),
+                r,
+                world_size,
+                timedelta(seconds=timeout_s),
+            )
+            results[r] = fn(group)
+        except BaseException as e:  # raised in the caller's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s + 5.0
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a rank thread was still running after {timeout_s + 5.0:.0f} s")
+    return results
+
+
+@contextmanager
+def fake_rank(rank: int, world_size: int, device: str = "cpu") -> Iterator[RankContext]:
+    """Be rank ``rank`` of ``world_size`` in this process on torch's "fake" process group:
+    collectives return at once without sending anything, so a strategy's set-up (a device
+    mesh, ``fully_shard``, a ZeRO partition) runs as it would on that rank of a job of any
+    size. The group is destroyed on leaving. ``FakeStore`` lives in torch's test utilities
+    (``torch.testing._internal.distributed.fake_pg``; written for torch 2.14)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a process group is already set up in this process: call labkit.cleanup() first"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield RankContext(rank, rank, world_size, torch.device(device), "fake")
+    finally:
+        cleanup()

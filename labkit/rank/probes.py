@@ -13,8 +13,9 @@ the time its threads were ready to run while computing (forward and backward, ev
 not the communication phase, where waking up after a peer's message shares the cores with gloo's
 threads and would read as "busy" on an idle machine), the share they actually ran (Linux
 schedstat: time on a CPU against time waiting in the run queue; waiting for a peer in a
-collective is sleeping, not waiting for a CPU, so it does not count). Below ~0.8 something
-else had the rank's core, and its timings are not comparable. Where schedstat is missing
+collective is sleeping, not waiting for a CPU, so it does not count). Below 1 something
+else had the rank's core part of the time; below ``labkit.records.BUSY_SHARE`` (0.6) the run is
+flagged busy and its timings are not comparable. Where schedstat is missing
 (macOS), the thread's CPU time over the wall time of forward + backward stands in. On CPU each
 boundary is a ``perf_counter`` read. On a GPU kernels run
 asynchronously, so a CPU clock would time the launch, not the work: each boundary records a

@@ -12,6 +12,7 @@ and all-gathers the updated parameters instead: the same volume as DDP's all-red
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,12 +22,18 @@ from ..factories import Factories
 from ..rank.loop import build_model, data_iter, train_loop
 
 
+def shard_optimizer(model, plain: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
+    """``plain``'s class and settings, its state partitioned: this rank keeps the state of
+    the parameters it owns, whole tensors balanced by size across the ranks."""
+    return ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=type(plain), **plain.defaults
+    )
+
+
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)
     ddp_model = DDP(model, device_ids=ctx.device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
     plain = fns.optimizer(cfg, model.parameters())  # yours or labkit's: its class and settings
-    optimizer = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=type(plain), **plain.defaults
-    )
+    optimizer = shard_optimizer(model, plain)
     data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
     return train_loop(cfg, ctx, ddp_model, data, fns=fns, optimizer=optimizer)

@@ -286,7 +286,9 @@ def test_the_site_renders_the_page_with_links_to_the_notebook_pages():
     spec.loader.exec_module(build)
     html = build.landing_page()
     assert html.count("<table>") == 4 and "<h2>Glossary</h2>" in html
-    local = [h for h in re.findall(r'href="([^"]+)"', html) if not h.startswith("https://")]
+    local = [
+        h.split("#")[0] for h in re.findall(r'href="([^"]+)"', html) if not h.startswith("https://")
+    ]
     assert "index.html" in local and not [h for h in local if h.endswith(".ipynb")]
     pages = {f"{p.stem}.html" for p in NOTEBOOKS}
     assert set(local) - {"index.html"} == pages, set(local) ^ pages

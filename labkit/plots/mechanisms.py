@@ -1,0 +1,263 @@
+"""Pictures of the mechanisms, drawn from what ``labkit.labs.mechanisms`` ran: who holds what
+before and after a collective, the ring all-reduce step by step, what each rank keeps under
+ZeRO and FSDP, a pipeline schedule filling. Each figure takes that module's results."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .pipeline import _gantt_traces
+
+# one colour per chunk index (a chunk keeps its colour wherever it travels)
+_CHUNK_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6",
+                 "#9d755d")  # fmt: skip
+_EMPTY = "#eeeeee"
+
+
+def _chunk(label: str) -> int | None:
+    """A label's chunk index ("A1+C1" -> 1, "Σ2" -> 2), None for an empty buffer ("·")."""
+    digits = re.findall(r"\d+", label)
+    return int(digits[-1]) if digits else None
+
+
+def _grid(labels: Sequence[Sequence[str]], width: int) -> go.Heatmap:
+    """Ranks as rows (rank 0 on top), one cell per chunk slot, coloured by chunk index."""
+    n_colors = len(_CHUNK_COLORS)
+    z, text = [], []
+    for row in labels:
+        cells = [_chunk(c) for c in row] + [None] * (width - len(row))
+        z.append([-1 if c is None else c % n_colors for c in cells])
+        text.append(list(row) + [""] * (width - len(row)))
+    scale = [(0.0, _EMPTY), (1 / (n_colors + 1), _EMPTY)]
+    for i, colour in enumerate(_CHUNK_COLORS):
+        scale += [((i + 1) / (n_colors + 1), colour), ((i + 2) / (n_colors + 1), colour)]
+    return go.Heatmap(
+        z=z,
+        text=text,
+        texttemplate="%{text}",
+        textfont=dict(size=13, color="white"),
+        x=[f"slot {i}" for i in range(width)],
+        y=[f"rank {r}" for r in range(len(labels))],
+        zmin=-1,
+        zmax=n_colors,
+        colorscale=scale,
+        showscale=False,
+        xgap=3,
+        ygap=3,
+        hovertemplate="%{y}, %{x}: %{text}<extra></extra>",
+    )
+
+
+def collective(c) -> go.Figure:
+    """One collective (``labs.mechanisms.collective``): each rank's chunks before and after.
+    A letter is the rank that owned a chunk (A = rank 0), the digit the chunk; "Σ1" is chunk 1
+    summed over every rank, "·" an empty buffer."""
+    width = max(len(row) for row in (*c.before, *c.after))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("before", "after"), horizontal_spacing=0.08)
+    fig.add_trace(_grid(c.before, width), row=1, col=1)
+    fig.add_trace(_grid(c.after, width), row=1, col=2)
+    fig.update_yaxes(autorange="reversed")
+    title = f"{c.op} on {c.world_size} ranks (ran on gloo)"
+    if c.note:
+        title += f"<br><sup>{c.note}</sup>"
+    fig.update_layout(title=title, height=140 + 48 * c.world_size, margin=dict(t=110))
+    return fig
+
+
+def _ring_frame(step, n: int) -> list:
+    """One frame of the ring: the cells coloured by how many ranks' chunks they sum (darker =
+    more), and an arrow on the chunk each rank just sent to its right neighbour."""
+    depth = [[0 if c == "·" else (n if c.startswith("Σ") else c.count("+") + 1) for c in row]
+             for row in step.held]  # fmt: skip
+    grid = go.Heatmap(
+        z=depth,
+        text=step.held,
+        texttemplate="%{text}",
+        textfont=dict(size=13),
+        x=list(range(n)),
+        y=list(range(n)),
+        zmin=0,
+        zmax=n,
+        colorscale="Blues",
+        showscale=False,
+        xgap=3,
+        ygap=3,
+        hovertemplate="rank %{y}, chunk %{x}: %{text} (sums %{z} ranks)<extra></extra>",
+    )
+    sent = [(s, r) for r, s in enumerate(step.sent) if s is not None]
+    arrows = go.Scatter(
+        x=[s + 0.4 for s, _ in sent],  # at the cell's right edge, pointing right
+        y=[r for _, r in sent],
+        mode="markers",
+        marker=dict(symbol="arrow-right", size=16, color="#e45756", line=dict(width=0)),
+        customdata=[s for s, _ in sent],
+        hovertemplate="rank %{y} sent chunk %{customdata} to its right neighbour<extra></extra>",
+        showlegend=False,
+    )
+    return [grid, arrows]
+
+
+def _ring_title(step, n: int, total: int) -> str:
+    if step.phase == "start":
+        return f"ring all-reduce on {n} ranks: each starts with its own {n} chunks"
+    action = "adds the one from its left" if step.phase == "reduce-scatter" else "keeps it"
+    k = step.elements_sent[0]
+    return (
+        f"{step.phase} step {step.step + 1} of {n - 1}: each rank sends one chunk right and "
+        f"{action}<br><sup>each rank has sent {k} of {total} chunks "
+        f"({k}/{n} of its data; in all 2(n-1)/n = {total}/{n})</sup>"
+    )
+
+
+def ring(steps: Sequence) -> go.Figure:
+    """The ring all-reduce (``labs.mechanisms.ring``) step by step: a slider (and Play) moves
+    through the steps; each cell shows which ranks' chunks it sums, darker as more do; the red
+    arrow marks the chunk each rank sent in that step."""
+    n = len(steps[0].held)
+    total = 2 * (n - 1)
+    names = [f"{s.phase} {s.step + 1}" if s.phase != "start" else "start" for s in steps]
+    frames = [
+        go.Frame(
+            data=_ring_frame(s, n),
+            name=name,
+            layout=go.Layout(title_text=_ring_title(s, n, total)),
+        )
+        for s, name in zip(steps, names)
+    ]
+    fig = go.Figure(data=frames[0].data, frames=frames)
+    fig.update_layout(
+        title=_ring_title(steps[0], n, total),
+        xaxis=dict(tickvals=list(range(n)), ticktext=[f"chunk {i}" for i in range(n)]),
+        yaxis=dict(
+            autorange="reversed", tickvals=list(range(n)), ticktext=[f"rank {r}" for r in range(n)]
+        ),
+        height=200 + 48 * n,
+        margin=dict(t=110),
+        updatemenus=[_play_button(900)],
+        sliders=[_slider(names)],
+    )
+    return fig
+
+
+def _play_button(ms: int) -> dict:
+    return dict(
+        type="buttons",
+        showactive=False,
+        x=0.0,
+        y=-0.12,
+        xanchor="left",
+        buttons=[
+            dict(
+                label="Play",
+                method="animate",
+                args=[None, dict(frame=dict(duration=ms, redraw=True), fromcurrent=True)],
+            )
+        ],
+    )
+
+
+def _slider(names: Sequence[str]) -> dict:
+    return dict(
+        active=0,
+        x=0.1,
+        len=0.9,
+        y=-0.05,
+        currentvalue=dict(prefix="after: "),
+        steps=[
+            dict(
+                label=name,
+                method="animate",
+                args=[[name], dict(mode="immediate", frame=dict(duration=0, redraw=True))],
+            )
+            for name in names
+        ],
+    )
+
+
+def _share_text(share: float) -> str:
+    if share >= 1.0:
+        return "all"
+    if share <= 0.0:
+        return "—"
+    return f"{share:.0%}"
+
+
+def shards(table: pd.DataFrame) -> go.Figure:
+    """What each rank keeps (``labs.mechanisms.shards``): per kind (parameters, gradients,
+    optimizer state), one cell per (rank, tensor), darker as the rank keeps more of it."""
+    kinds = list(dict.fromkeys(table["kind"]))
+    tensors = list(dict.fromkeys(table["tensor"]))
+    ranks = sorted(table["rank"].unique())
+    fig = make_subplots(
+        rows=1, cols=len(kinds), subplot_titles=kinds, horizontal_spacing=0.04, shared_yaxes=True
+    )
+    for i, kind in enumerate(kinds, start=1):
+        part = table[table["kind"] == kind].pivot(index="rank", columns="tensor", values="share")
+        part = part.loc[ranks, tensors]
+        fig.add_trace(
+            go.Heatmap(
+                z=part.values,
+                text=[[_share_text(v) for v in row] for row in part.values],
+                texttemplate="%{text}",
+                x=tensors,
+                y=[f"rank {r}" for r in ranks],
+                zmin=0,
+                zmax=1,
+                colorscale="Greens",
+                showscale=False,
+                xgap=2,
+                ygap=2,
+                hovertemplate="%{y} keeps %{text} of %{x}<extra></extra>",
+            ),
+            row=1,
+            col=i,
+        )
+    fig.update_yaxes(autorange="reversed")
+    kept = table.groupby("rank")["held"].sum() / table.groupby("rank")["total"].sum()
+    strategy = table.attrs.get("strategy", "")
+    stage = table.attrs.get("zero_stage")
+    per_rank = ", ".join(f"rank {r} {kept[r]:.0%}" for r in ranks)
+    fig.update_layout(
+        title=f"{strategy} (ZeRO stage {stage}) on {len(ranks)} ranks: what each rank keeps"
+        f"<br><sup>of all model state: {per_rank}</sup>",
+        height=170 + 40 * len(ranks),
+        margin=dict(t=110),
+    )
+    return fig
+
+
+def pipeline_order(events: Sequence[dict], schedule: str) -> go.Figure:
+    """A schedule's order filling the pipe (``labs.mechanisms.pipeline_order``), in unit time:
+    a slider (and Play) adds one time unit at a time; white is the bubble."""
+    end = max(e["end"] for e in events)
+    stages = 1 + max(e["stage"] for e in events)
+    times = sorted({e["end"] for e in events})
+    frames = [
+        go.Frame(
+            data=_gantt_traces([e for e in events if e["end"] <= t]),
+            name=f"{t:g}",
+        )
+        for t in times
+    ]
+    fig = go.Figure(data=frames[-1].data, frames=frames)
+    fig.update_layout(
+        title=f"{schedule}: {stages} stages, forward 1 unit, backward 2 (numbers: micro-batch)",
+        barmode="overlay",
+        xaxis=dict(title="time (units)", range=[0, end]),
+        yaxis=dict(
+            autorange="reversed",
+            categoryorder="array",
+            categoryarray=[f"stage {s}" for s in range(stages)],
+        ),  # fmt: skip
+        height=200 + 45 * stages,
+        updatemenus=[_play_button(300)],
+        sliders=[_slider([f.name for f in frames]) | dict(active=len(frames) - 1)],
+        uniformtext_minsize=9,
+        uniformtext_mode="hide",
+    )
+    return fig
