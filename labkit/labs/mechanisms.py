@@ -262,7 +262,7 @@ def ring(world_size: int = 4) -> list[RingStep]:
 
 # ---- what each rank keeps: the sharding strategies' own code, on a fake process group ----
 
-SHARDING = ("ddp", "zero1", "fsdp", "hsdp")
+SHARDING = ("ddp", "zero1", "fsdp", "hsdp", "tp_dtensor")
 
 
 def shards(
@@ -276,7 +276,13 @@ def shards(
     ZeroRedundancyOptimizer's partition (ZeRO-1). Gradients and optimizer state follow the
     parameters' sharding under FSDP (its reduce-scatter leaves each rank its shard's
     gradient, its optimizer sees only the shard); under ZeRO-1 only the state is partitioned;
-    DDP keeps everything everywhere."""
+    DDP keeps everything everywhere. Tensor parallelism (``tp_dtensor``: ``parallelize``'s
+    plan on a 1-D mesh of ``world_size``, labkit's transformer by default) splits the weights
+    of each block's column- and row-parallel Linears, and each rank's gradient and optimizer
+    state follow its shard. ``placement`` says how (DTensor's short names: "S(0)", split along
+    dimension 0 of the weight, the output features; "S(1)", the input features; "R",
+    replicated; "whole": a plain tensor) and
+    ``local_shape`` what the rank holds."""
     if strategy not in SHARDING:
         raise ValueError(f"unknown sharding {strategy!r}: choose one of {', '.join(SHARDING)}")
     if strategy == "hsdp" and (world_size % shard_size or shard_size < 2):
@@ -284,7 +290,13 @@ def shards(
             f"hsdp needs a shard size of at least 2 that divides the world size "
             f"({world_size}), got {shard_size}"
         )
-    cfg = cfg or RunConfig(model="mlp", width=64, depth=2)
+    if cfg is None:
+        tp = strategy == "tp_dtensor"
+        cfg = (
+            RunConfig(model="transformer", width=32, depth=1, heads=world_size)
+            if tp
+            else (RunConfig(model="mlp", width=64, depth=2))
+        )
     rows = []
     for r in range(world_size):
         with fake_rank(r, world_size) as ctx:
@@ -293,6 +305,8 @@ def shards(
             names = [name for name, _ in model.named_parameters()]
             totals = [p.numel() for p in model.parameters()]
             params = grads = state = [1.0] * len(names)
+            placements = ["whole"] * len(names)
+            local_shapes = [tuple(p.shape) for p in model.parameters()]
             if strategy == "zero1":
                 from ..strategies.zero1 import shard_optimizer
 
@@ -307,10 +321,22 @@ def shards(
                     if strategy == "hsdp"
                     else (fsdp.shard(model, ctx))
                 )
-                local = [p.to_local().numel() for p in model.parameters()]
-                params = grads = state = [h / t for h, t in zip(local, totals)]
+            elif strategy == "tp_dtensor":
+                from torch.distributed.device_mesh import init_device_mesh
+
+                from ..strategies import tp_dtensor
+
+                mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+                model = tp_dtensor.parallelize(model, mesh, cfg.sequence_parallel)
+            if strategy in ("fsdp", "hsdp", "tp_dtensor"):
+                local = [p.to_local() for p in model.parameters()]
+                params = grads = state = [t.numel() / n for t, n in zip(local, totals)]
+                placements = [str(p.placements[-1]) for p in model.parameters()]
+                local_shapes = [tuple(t.shape) for t in local]
         for kind, shares in (("parameters", params), ("gradients", grads), ("optimizer", state)):
-            for name, total, share in zip(names, totals, shares):
+            for name, total, share, placement, shape in zip(
+                names, totals, shares, placements, local_shapes
+            ):
                 rows.append(
                     {
                         "rank": r,
@@ -319,11 +345,14 @@ def shards(
                         "held": round(share * total),
                         "total": total,
                         "share": share,
+                        "placement": placement,
+                        "local_shape": shape,
                     }
                 )
     out = pd.DataFrame(rows)
     out.attrs["strategy"] = strategy
     out.attrs["zero_stage"] = STRATEGIES[strategy].zero_stage
+    out.attrs["world_size"] = world_size
     return out
 
 

@@ -261,3 +261,90 @@ def pipeline_order(events: Sequence[dict], schedule: str) -> go.Figure:
         uniformtext_mode="hide",
     )
     return fig
+
+
+_RANK_COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6",
+                "#9d755d")  # fmt: skip
+
+
+def tensor_cut(table: pd.DataFrame, block: str = "1") -> go.Figure:
+    """Megatron's cut of one transformer block (``labs.mechanisms.shards("tp_dtensor")``): each
+    weight drawn as the matrix A of ``Y = X A`` (inputs down, outputs across: torch's weight
+    transposed), coloured by the rank that holds each slice. Column-parallel layers split the
+    outputs (``S(0)`` of torch's weight), row-parallel ones the inputs (``S(1)``); ``f`` and
+    ``g`` mark where the all-reduces go."""
+    params = table[(table["kind"] == "parameters") & table["tensor"].str.endswith(".weight")]
+    layers = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+    ranks = sorted(params["rank"].unique())
+    fig = go.Figure()
+    weights = params[params["tensor"].isin([f"{block}.{name}.weight" for name in layers])]
+    longest = max(max(shape) * len(ranks) for shape in weights["local_shape"])
+    scale = 2.5 / longest  # the longest side of any matrix (an upper bound): 2.5 units
+    x, gap, shapes, notes, tallest = 0.0, 0.8, [], [], 0.0
+    for name in layers:
+        rows = params[params["tensor"] == f"{block}.{name}.weight"].set_index("rank").loc[ranks]
+        placement = rows["placement"].iloc[0]
+        out_f = (
+            sum(s[0] for s in rows["local_shape"])
+            if placement == "S(0)"
+            else (rows["local_shape"].iloc[0][0])
+        )
+        in_f = (
+            sum(s[1] for s in rows["local_shape"])
+            if placement == "S(1)"
+            else (rows["local_shape"].iloc[0][1])
+        )
+        w, h = out_f * scale, in_f * scale  # A: in_f rows (down), out_f columns
+        tallest = max(tallest, h)
+        at = 0.0
+        for r, shape in zip(ranks, rows["local_shape"]):
+            colour = _RANK_COLORS[r % len(_RANK_COLORS)]
+            if placement == "S(0)":  # outputs split: a band of A's columns
+                x0, x1, y0, y1 = x + at * w / out_f, x + (at + shape[0]) * w / out_f, -h, 0.0
+                at += shape[0]
+            elif placement == "S(1)":  # inputs split: a band of A's rows
+                x0, x1, y0, y1 = x, x + w, -(at + shape[1]) * h / in_f, -at * h / in_f
+                at += shape[1]
+            else:
+                x0, x1, y0, y1 = x, x + w, -h, 0.0
+            shapes.append(
+                dict(
+                    type="rect",
+                    x0=x0,
+                    x1=x1,
+                    y0=y0,
+                    y1=y1,
+                    fillcolor=colour,
+                    opacity=0.85,
+                    line=dict(color="white", width=2),
+                )  # fmt: skip
+            )
+        kind = {"S(0)": "column-parallel", "S(1)": "row-parallel"}.get(placement, "replicated")
+        notes.append(
+            dict(x=x + w / 2, y=0.1, yanchor="bottom", showarrow=False,
+                 text=f"<b>{name}</b><br>{kind}<br>{in_f} in × {out_f} out, weight {placement}")
+        )  # fmt: skip
+        if placement == "S(0)":  # f before a column-parallel layer
+            notes.append(dict(x=x - 0.3 * gap, y=-0.2, showarrow=False, font=dict(size=18),
+                              text="<b>f</b>"))  # fmt: skip
+        if placement == "S(1)":  # g after a row-parallel layer
+            notes.append(dict(x=x + w + 0.3 * gap, y=-0.2, showarrow=False, font=dict(size=18),
+                              text="<b>g</b>"))  # fmt: skip
+        x += w + gap
+    for r in ranks:  # a legend: one entry per rank
+        colour = _RANK_COLORS[r % len(_RANK_COLORS)]
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"rank {r}",
+                                 marker=dict(size=12, symbol="square", color=colour)))  # fmt: skip
+    fig.update_layout(
+        title=f"tensor parallelism over {len(ranks)} ranks: block {block}, who holds which slice"
+        "<br><sup>f: identity forward, all-reduce backward. g: all-reduce forward, identity "
+        "backward. Between f and g each rank works on its own slice, without a message.</sup>",
+        shapes=shapes,
+        annotations=notes,
+        xaxis=dict(visible=False, range=[-gap, x]),
+        yaxis=dict(visible=False, scaleanchor="x", range=[-tallest - 0.1, 0.9]),
+        height=int(180 + 800 * (tallest + 1.0) / (x + gap)),  # about the drawing's aspect
+        margin=dict(t=110),
+        plot_bgcolor="white",
+    )
+    return fig

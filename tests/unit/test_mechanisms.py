@@ -157,3 +157,34 @@ def test_the_figures_show_what_ran():
     events = m.pipeline_order("1f1b", 2, 3)
     fig = pm.pipeline_order(events, "1f1b")
     assert sum(len(t.x) for t in fig.frames[-1].data) == len(events)
+
+
+def test_the_tensor_parallel_cut_is_the_hand_written_split_and_adds_up():
+    """tp_dtensor's plan (the library) and tp.py's Megatron split (by hand) give every rank the
+    same slices; split weights add up to the whole over the ranks, the rest is on each."""
+    import torch.distributed as dist
+
+    from labkit.config import RunConfig
+    from labkit.models import make_model
+    from labkit.strategies import tp
+
+    t = m.shards("tp_dtensor", 2)
+    params = t[t["kind"] == "parameters"]
+    for r in (0, 1):
+        with fake_rank(r, 2):
+            torch.manual_seed(0)
+            cfg = RunConfig(model="transformer", width=32, depth=1, heads=2)
+            hand = tp.parallelize(make_model(cfg), dist.group.WORLD)
+            by_hand = {name: tuple(p.shape) for name, p in hand.named_parameters()}
+        mine = params[params["rank"] == r]
+        assert dict(zip(mine["tensor"], mine["local_shape"])) == by_hand
+    held = params.groupby("tensor")["held"].sum()
+    total = params.groupby("tensor")["total"].first()
+    split = params.groupby("tensor")["placement"].first().str.startswith("S")
+    assert (held[split] == total[split]).all() and (held[~split] == 2 * total[~split]).all()
+    placement = params.groupby("tensor")["placement"].first()
+    assert placement["1.attn.qkv.weight"] == placement["1.mlp.fc1.weight"] == "S(0)"
+    assert placement["1.attn.proj.weight"] == placement["1.mlp.fc2.weight"] == "S(1)"
+    fig = pm.tensor_cut(t)
+    assert len(fig.layout.shapes) == 4 * 2  # four weights, one slice per rank
+    assert [a.text for a in fig.layout.annotations].count("<b>g</b>") == 2
