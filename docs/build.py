@@ -54,6 +54,7 @@ def render(path: pathlib.Path, timeout_s: int = 600) -> tuple[str, str]:
     """(title, HTML) of one notebook, executed in the notebooks folder."""
     nb = nbformat.read(path, as_version=4)
     os.environ["PLOTLY_RENDERER"] = "notebook"  # plotly.js inside the page: works offline
+    os.environ["LABKIT_FILL_GUESSES"] = "1"  # a page has no learner: guesses filled in, and said
     ExecutePreprocessor(timeout=timeout_s, kernel_name="python3").preprocess(
         nb, {"metadata": {"path": str(path.parent)}}
     )

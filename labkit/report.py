@@ -7,6 +7,7 @@ same thing, with the same name, everywhere.
 from __future__ import annotations
 
 import math
+import os
 
 import pandas as pd
 
@@ -223,3 +224,69 @@ def explain(table: pd.DataFrame) -> str:
             "all-reduce took is shown as sync overhead, not communication."
         )
     return "\n".join(lines)
+
+
+FILL_GUESSES = "LABKIT_FILL_GUESSES"  # "1" where nobody is there to guess: make test, CI, the site
+
+
+class GuessMissing(ValueError):
+    """A lesson asked for the learner's prediction and found none."""
+
+
+class Guesses:
+    """A lesson's predictions: what the learner guessed before a run, beside what it measured.
+
+    The cell before a measurement holds ``my_guess_x = None``: the learner writes a guess there.
+    The cell after reads it with ``ask``, which refuses None with the fix, so a prediction is
+    never skipped without a word; ``measured`` records what the run gave; the summary shows
+    ``table()``. Where nobody is there to guess (``LABKIT_FILL_GUESSES=1``: ``make test``, CI,
+    the course site's build) ``ask`` uses ``fill`` instead, and the table says it did."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+
+    def ask(self, name: str, value, *, fill, variable: str = "my_guess"):
+        """The learner's guess for ``name`` (``value``); ``fill`` where none is needed."""
+        filled = value is None
+        if filled:
+            if os.environ.get(FILL_GUESSES) != "1":
+                raise GuessMissing(
+                    f"no prediction for '{name}': write your guess in `{variable} = ...` in the "
+                    f"cell above, run that cell, then run this one again (running unattended? "
+                    f"set {FILL_GUESSES}=1)"
+                )
+            value = fill
+        self.rows[name] = {"prediction": name, "your guess": value, "measured": None,
+                           "filled": filled}  # fmt: skip
+        return value
+
+    def measured(self, name: str, value) -> None:
+        """What the run measured for ``name`` (asked for before)."""
+        if name not in self.rows:
+            raise KeyError(f"'{name}' was never asked for: call ask('{name}', ...) first")
+        self.rows[name]["measured"] = value
+
+    def table(self) -> pd.DataFrame:
+        """Every prediction of the lesson: your guess and what was measured; the note says
+        where a guess was filled in because nobody was there to make one."""
+        rows = [
+            {
+                "prediction": r["prediction"],
+                "your guess": _shown(r["your guess"]),
+                "measured": "not run" if r["measured"] is None else _shown(r["measured"]),
+                "note": "filled in: nobody was asked" if r["filled"] else "",
+            }
+            for r in self.rows.values()
+        ]
+        return pd.DataFrame(rows, columns=["prediction", "your guess", "measured", "note"])
+
+
+def _shown(v) -> str:
+    """A guess or a measurement as text: floats to 3 significant digits, inside dicts too."""
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_shown(x)}" for k, x in v.items())
+    if isinstance(v, list | tuple):
+        return ", ".join(_shown(x) for x in v)
+    return str(v)

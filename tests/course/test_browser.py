@@ -60,6 +60,7 @@ def lab(tmp_path_factory):
         "JUPYTER_RUNTIME_DIR": str(home / "run"),
         "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
         "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+        "LABKIT_FILL_GUESSES": "1",  # Run All without a learner: the lessons' guesses filled in
     }
     # render every cell (JupyterLab 4 otherwise draws only those in view) and ask about no news
     settings = home / "settings"

@@ -17,7 +17,8 @@ DEVELOPMENT_LOG = re.compile(
     r"\bissues? #?\d|\bthe issue\b|\bCI\b|fresh clone|\bnbval\b|\bpytest\b|\bflaky\b|TODO|FIXME"
 )
 SECTION = re.compile(r"^## (\d+)[.·\s]", re.M)
-GUESS = re.compile(r"^(my_guess\w*)\s*=", re.M)
+GUESS = re.compile(r"^(my_guess\w*)\s*=(?!\s*guesses\.ask)", re.M)  # the guess, not its reading
+ASK = re.compile(r'^(my_guess\w*) = guesses\.ask\("([^"]+)", \1, fill=', re.M)
 
 
 def cells(path: pathlib.Path) -> list[dict]:
@@ -62,3 +63,23 @@ def test_each_lesson_asks_for_two_predictions_before_measuring(path):
             assert text(c).strip().startswith(name), (path.name, i, "the guess shares its cell")
             later = [j for j in range(i + 1, len(nb)) if re.search(rf"\b{name}\b", text(nb[j]))]
             assert later, (path.name, name, "recorded, never compared")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_guesses_start_empty_are_read_once_measured_and_shown_in_the_summary(path):
+    """No guess is pre-filled: the learner writes it (``None`` until then, and ``guesses.ask``
+    refuses None unless LABKIT_FILL_GUESSES says nobody is there); every guess is asked for,
+    its measurement recorded under the same name, and the summary shows the table."""
+    nb = cells(path)
+    code = [text(c) for c in nb if c["cell_type"] == "code"]
+    guessed = [GUESS.findall(c) for c in code]
+    made = [name for names in guessed for name in names]
+    prefilled = [c.strip() for c, names in zip(code, guessed) if names and not
+                 re.fullmatch(r"my_guess\w* = None(\s+#.*)?", c.strip())]  # fmt: skip
+    assert not prefilled, prefilled
+    asked = [m for c in code for m in ASK.findall(c)]
+    assert sorted(name for name, _ in asked) == sorted(made), (made, asked)
+    for _, label in asked:
+        assert sum(f'guesses.measured("{label}", ' in c for c in code) == 1, label
+    summary = next(i for i, c in enumerate(nb) if text(c).startswith("## Summary"))
+    assert text(nb[summary + 1]).startswith("guesses.table()"), "the summary shows the guesses"
