@@ -48,9 +48,12 @@ def _hook_op_names():
 
 def _process_groups() -> list:
     """Every process group this process has made: torch's private registry of them
-    (``distributed_c10d._world.pg_map``, written for torch 2.14); the world where it is gone."""
+    (``distributed_c10d._world.pg_map``, written for torch 2.14); the world where it is gone;
+    none in a process that set up no group (a loop run in the notebook's own process)."""
     groups = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", None)
-    return list(groups) if groups else [dist.group.WORLD]
+    if groups:
+        return list(groups)
+    return [dist.group.WORLD] if dist.is_available() and dist.is_initialized() else []
 
 
 HookOpName = _hook_op_names()

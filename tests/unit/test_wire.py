@@ -40,3 +40,15 @@ def _bytes(n: int):
             return 1
 
     return [Tensor()] if n else []
+
+
+def test_a_loop_in_a_process_without_a_group_trains_and_counts_nothing():
+    """labkit.dist.local_context: rank 0 of 1 without a process group (the notebook's own
+    process); there is no group to watch, so the loop trains and the byte columns say 0."""
+    from labkit.config import RunConfig
+    from labkit.dist import local_context
+    from labkit.strategies import run_rank
+
+    cfg = RunConfig(strategy="single", world_size=1, steps=2, warmup=0, width=16, depth=1)
+    records = run_rank(local_context("cpu"), cfg)["records"]
+    assert len(records) == 2 and all(r["comm_calls"] == 0 for r in records)
