@@ -1,0 +1,294 @@
+"""Graded exercises: the learner writes the algorithm, a grader runs it on real ranks.
+
+A lesson gives a function to fill in (its signature, a docstring, and a body that raises
+``NotImplementedError``); ``check(name, fn)`` launches real rank processes, runs the learner's
+function where labkit's own would run, compares with what it must equal (torch's collective,
+single-device training) and, where the lesson is about cost, counts the bytes it sent on the
+process group against the formula. It answers in a learner's words: what passed, and for a
+failure what differs, with a message of its own for each common wrong answer. It never hangs:
+a rank still waiting after the timeout is named, with the call it waits in.
+
+The reference solutions live in ``solutions/`` at the top of the repository (no lesson imports
+them); ``tests/ranks/test_exercises.py`` holds that a blank answer gets "not written yet", every
+solution passes, and each catalogued wrong answer gets its own message.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .launch import LaunchTimeout, RankError, launch
+from .predict.collectives import coefficients
+from .wire import traffic
+
+
+@dataclass
+class Verdict:
+    """What the grader found: ``passed`` (None: not written yet), the ``message`` for the
+    learner, and the ``details`` it measured (per world size: errors, bytes, calls)."""
+
+    exercise: str
+    passed: bool | None
+    message: str
+    details: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        mark = {True: "PASSED", False: "NOT YET", None: "NOT WRITTEN YET"}[self.passed]
+        return f"{self.exercise}: {mark}. {self.message}"
+
+    def _repr_markdown_(self) -> str:
+        mark = {True: "✅ passed", False: "❌ not yet", None: "✏️ not written yet"}[self.passed]
+        return f"**{self.exercise}: {mark}.** {self.message}"
+
+
+def check(name: str, fn: Callable, *, timeout_s: float = 30.0) -> Verdict:
+    """Grade the learner's ``fn`` for exercise ``name`` (one of ``EXERCISES``) on real ranks."""
+    if name not in EXERCISES:
+        raise ValueError(f"unknown exercise {name!r}: choose one of {', '.join(EXERCISES)}")
+    if not callable(fn):
+        raise TypeError(f"check({name!r}, fn) needs your function, got {type(fn).__name__}")
+    grader, _lesson, _what = EXERCISES[name]
+    try:
+        return grader(fn, timeout_s)
+    except LaunchTimeout as exc:
+        return Verdict(name, False, _hung(exc))
+    except RankError as exc:
+        if "NotImplementedError" in exc.traceback:
+            return Verdict(
+                name,
+                None,
+                "Fill in the function's body (it still raises "
+                "NotImplementedError), then run this cell again.",
+            )
+        return Verdict(name, False, _raised(exc), {"traceback": exc.traceback})
+
+
+def _hung(exc: LaunchTimeout) -> str:
+    """Which rank waited, in which call of the learner's code."""
+    waits = []
+    for rank, stack in sorted(exc.stacks.items()):
+        calls = re.findall(r"in (\w+)\n", stack + "\n")
+        comm = next((c for c in reversed(calls) if c in _COMM_CALLS), None)
+        waits.append(f"rank {rank} in {comm or 'an unknown call'}")
+    return (
+        f"Your function never finished: after {exc.timeout_s:g} s "
+        f"{', '.join(waits) or 'every rank'} was still waiting. A receive waits for the matching "
+        "send on the other rank: if every rank first waits to receive, nobody sends. Post the "
+        "send without waiting for it (dist.isend, or dist.batch_isend_irecv for both), then "
+        "receive."
+    )
+
+
+_COMM_CALLS = {
+    "recv",
+    "send",
+    "wait",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "irecv",
+    "isend",
+    "batch_isend_irecv",
+}
+
+
+def _raised(exc: RankError) -> str:
+    last = exc.traceback.strip().splitlines()[-1] if exc.traceback.strip() else "it died"
+    return f"Rank {exc.rank} raised an error: {last}. The full traceback is in `verdict.details`."
+
+
+# ---- ring all-reduce from send and recv (notebook 03) ---------------------------------------
+
+
+def _ring_rank(ctx, fn, numel: int) -> dict:
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(numel, dtype=torch.float64)
+    want = x.clone()
+    dist.all_reduce(want)
+    tally = traffic()
+    tally.take()  # count only what the learner's function sends
+    mine = x.clone()
+    out = fn(mine)
+    got = out if torch.is_tensor(out) else mine
+    sent = tally.take()
+    return {
+        "x": x,
+        "want": want,
+        "got": got.detach().to(torch.float64).reshape(-1),
+        "calls": sent["comm_calls"],
+        "bytes": sent["comm_bytes"],
+        "payload_bytes": x.numel() * x.element_size(),
+    }
+
+
+def grade_ring_all_reduce(fn: Callable, timeout_s: float = 30.0) -> Verdict:
+    """``fn(x)``: sum ``x`` (1-D, a multiple of the world size) over every rank in place, from
+    ``dist.send``/``dist.recv`` (or their ``i`` forms) to the two neighbours. Graded on 2 and 3
+    ranks: the sum against ``dist.all_reduce``'s, then the bytes each rank sent against the
+    ring's 2(n-1)/n of ``x``."""
+    name, details = "ring_all_reduce", {}
+    for n in (2, 3):
+        ranks = launch(_ring_rank, n, args=(fn, 12 * n), device="cpu", timeout_s=timeout_s)
+        details[n] = ranks
+        wrong = _ring_wrong(ranks, n)
+        if wrong:
+            return Verdict(name, False, wrong, details)
+        per_rank = max(r["bytes"] for r in ranks) / ranks[0]["payload_bytes"]
+        ring = coefficients("all_reduce", n)[1]
+        if min(r["calls"] for r in ranks) <= 1:
+            return Verdict(
+                name,
+                False,
+                "The sums are right, but each rank made at most one call "
+                "on the process group: did you call dist.all_reduce? Build "
+                "it from dist.send and dist.recv to your neighbours.",
+                details,
+            )
+        if per_rank > ring * 1.0001:
+            return Verdict(
+                name,
+                False,
+                f"The sums are right, but on {n} ranks each rank sent {per_rank:.2f}x its data "
+                f"where a ring sends 2(n-1)/n = {ring:.2f}x: send one chunk (1/n of x) per "
+                f"step, not the whole tensor.",
+                details,
+            )
+    return Verdict(
+        name,
+        True,
+        "On 2 and 3 ranks every rank ends with the sum torch's all-reduce gives, and sends "
+        "2(n-1)/n of its data, the least any all-reduce can.",
+        details,
+    )
+
+
+def _ring_wrong(ranks: list[dict], n: int) -> str | None:
+    """The learner's words for what is wrong with one world size's sums, None if right."""
+    for r, res in enumerate(ranks):
+        got, want, x = res["got"], res["want"], res["x"]
+        if got.shape != want.shape:
+            return f"Rank {r} returned {tuple(got.shape)} elements, x has {tuple(want.shape)}."
+        if torch.allclose(got, want, rtol=0, atol=1e-9):
+            continue
+        if torch.allclose(got, x, rtol=0, atol=1e-12):
+            return (
+                f"On {n} ranks rank {r} still holds its own values: nothing was summed into x. "
+                "Work on views of x (x.view(n, -1) or x.chunk(n)) and add what arrives "
+                "with +=."
+            )
+        if torch.allclose(got * n, want, rtol=0, atol=1e-9):
+            return f"On {n} ranks rank {r} holds the mean: an all-reduce sums (do not divide)."
+        chunks = [
+            c
+            for c, (a, b) in enumerate(zip(got.view(n, -1), want.view(n, -1)))
+            if torch.allclose(a, b, rtol=0, atol=1e-9)
+        ]
+        return (
+            f"On {n} ranks rank {r}'s chunks {chunks or 'none'} hold the full sum, the others do "
+            f"not (largest difference {float((got - want).abs().max()):.3g}). In step s of the "
+            f"reduce-scatter rank r sends chunk (r - s) % n to rank r + 1 and adds what arrives "
+            f"into chunk (r - s - 1) % n; after n - 1 steps, the all-gather passes the finished "
+            f"chunks round the same way."
+        )
+    return None
+
+
+# ---- averaging gradients by hand (notebook 01) ----------------------------------------------
+
+
+def _average_rank(ctx, fn, steps: int) -> dict:
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).double()
+    single = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).double()
+    single.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = torch.optim.SGD(single.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    out = {"grad_ratio": [], "local_ratio": [], "param_diff": []}
+    for _ in range(steps):
+        x = torch.randn(8 * ctx.world_size, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 4, (8 * ctx.world_size,), generator=g)
+        mine = slice(8 * ctx.rank, 8 * (ctx.rank + 1))  # this rank's share of the global batch
+        nn.functional.cross_entropy(model(x[mine]), y[mine]).backward()
+        local = [p.grad.clone() for p in model.parameters()]
+        fn(model)
+        nn.functional.cross_entropy(single(x), y).backward()  # the global batch on one device
+        mine_g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        want_g = torch.cat([p.grad.reshape(-1) for p in single.parameters()])
+        local_g = torch.cat([t.reshape(-1) for t in local])
+        out["grad_ratio"].append(float(mine_g.norm() / want_g.norm()))
+        out["local_ratio"].append(float((mine_g - local_g).abs().max()))
+        out["grad_diff"] = float((mine_g - want_g).abs().max())
+        opt.step(), ref.step()
+        opt.zero_grad(), ref.zero_grad()
+        out["param_diff"].append(
+            max(float((a - b).abs().max()) for a, b in zip(model.parameters(), single.parameters()))
+        )
+    return out
+
+
+def grade_average_gradients(fn: Callable, timeout_s: float = 30.0) -> Verdict:
+    """``fn(model)``: after each rank's backward on its share of the batch, make every
+    parameter's ``.grad`` the average over the ranks (DDP's job, by hand). Graded on 2 and 3
+    ranks over 3 SGD steps against one device training on the whole batch."""
+    name, details = "average_gradients", {}
+    for n in (2, 3):
+        ranks = launch(_average_rank, n, args=(fn, 3), device="cpu", timeout_s=timeout_s)
+        details[n] = ranks
+        for r, res in enumerate(ranks):
+            if res["param_diff"][-1] <= 1e-9:
+                continue
+            ratio = res["grad_ratio"][0]
+            if abs(ratio - n) < 1e-6:
+                return Verdict(
+                    name,
+                    False,
+                    f"On {n} ranks rank {r}'s gradients are {n}x single's: "
+                    "you summed them; divide by the world size.",
+                    details,
+                )
+            if res["local_ratio"][0] == 0.0:
+                return Verdict(
+                    name,
+                    False,
+                    f"On {n} ranks rank {r} kept its own gradients: "
+                    "nothing was exchanged, so the ranks' models drift "
+                    "apart. All-reduce each p.grad.",
+                    details,
+                )
+            return Verdict(
+                name,
+                False,
+                f"On {n} ranks rank {r}'s parameters differ from single-device training by "
+                f"{res['param_diff'][-1]:.3g} after {len(res['param_diff'])} steps (the first "
+                f"step's gradient is {ratio:.3g}x single's in size). Every rank must end with "
+                f"the mean over ranks of every parameter's gradient.",
+                details,
+            )
+    return Verdict(
+        name,
+        True,
+        "On 2 and 3 ranks, three steps with your averaging equal one device training on the "
+        "whole batch (to 1e-9): that is all DDP promises.",
+        details,
+    )
+
+
+EXERCISES: dict[str, tuple[Callable, str, str]] = {
+    "average_gradients": (grade_average_gradients, "01", "average gradients by hand"),
+    "ring_all_reduce": (grade_ring_all_reduce, "03", "ring all-reduce from send and recv"),
+}
+
+
+def describe() -> list[str]:
+    """One line per exercise: its name, lesson and what the learner writes."""
+    return [f"{name} (notebook {lesson}): {what}" for name, (_, lesson, what) in EXERCISES.items()]

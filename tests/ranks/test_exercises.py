@@ -1,0 +1,115 @@
+"""The graded exercises on real ranks: a blank answer is "not written yet", every solution in
+``solutions/`` passes, each catalogued wrong answer gets its own message, and a deadlocking
+answer ends within its timeout, naming the ranks and where they wait."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit import exercises
+
+SOLUTIONS = pathlib.Path(__file__).resolve().parents[2] / "solutions"
+
+
+def solution(name: str, function: str):
+    """The reference answer, sent to the ranks by value (``solutions/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"solution_{name}", SOLUTIONS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return getattr(module, function)
+
+
+def test_every_exercise_has_a_solution_and_a_lesson():
+    assert sorted(exercises.EXERCISES) == sorted(p.stem for p in SOLUTIONS.glob("*.py"))
+    with pytest.raises(ValueError, match="ring_all_reduce"):
+        exercises.check("ring", lambda x: x)
+
+
+def test_a_blank_is_not_written_yet_and_the_solutions_pass():
+    def blank(x):
+        raise NotImplementedError("your ring all-reduce")
+
+    verdict = exercises.check("ring_all_reduce", blank)
+    assert verdict.passed is None and "NotImplementedError" in verdict.message
+    ring = exercises.check("ring_all_reduce", solution("ring_all_reduce", "my_ring_all_reduce"))
+    assert ring.passed is True, ring.message
+    for n in (2, 3):  # sent what the ring sends: 2(n-1)/n of x, in 2(n-1) sends and receives
+        assert all(r["bytes"] == 2 * (n - 1) * r["payload_bytes"] / n for r in ring.details[n])
+        assert all(r["calls"] == 4 * (n - 1) for r in ring.details[n])
+    avg = exercises.check("average_gradients", solution("average_gradients", "my_average_gradients"))
+    assert avg.passed is True, avg.message
+
+
+def test_each_common_wrong_ring_gets_its_message():
+    def library(x):  # right sums, but not built by hand
+        dist.all_reduce(x)
+        return x
+
+    def whole(x):  # sends all of x at each step
+        n, r = dist.get_world_size(), dist.get_rank()
+        acc, buf, out = x.clone(), x.clone(), torch.empty_like(x)
+        for _ in range(n - 1):
+            req = dist.isend(buf, (r + 1) % n)
+            dist.recv(out, (r - 1) % n)
+            req.wait()
+            acc += out
+            buf = out.clone()
+        x.copy_(acc)
+        return x
+
+    def nothing(x):
+        return x
+
+    def mean(x):
+        dist.all_reduce(x)
+        return x / dist.get_world_size()
+
+    cases = {
+        library: "did you call dist.all_reduce",
+        whole: "send one chunk (1/n of x) per step",
+        nothing: "still holds its own values",
+        mean: "holds the mean",
+    }
+    for fn, said in cases.items():
+        verdict = exercises.check("ring_all_reduce", fn)
+        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+
+
+def test_a_ring_that_waits_to_receive_first_ends_in_its_timeout_naming_the_ranks():
+    def receive_first(x):
+        n, r = dist.get_world_size(), dist.get_rank()
+        dist.recv(torch.empty_like(x), (r - 1) % n)  # everyone waits: nobody sends
+        return x
+
+    verdict = exercises.check("ring_all_reduce", receive_first, timeout_s=5)
+    assert verdict.passed is False and "never finished" in verdict.message
+    assert "rank 0 in recv" in verdict.message and "rank 1 in recv" in verdict.message
+
+
+def test_each_common_wrong_average_gets_its_message():
+    def summed(model):
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+
+    def kept(model):
+        pass
+
+    def one_layer(model):  # forgets all but the first parameter
+        p = next(model.parameters())
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+    for fn, said in {
+        summed: "you summed them; divide by the world size",
+        kept: "kept its own gradients",
+        one_layer: "differ from single-device training",
+    }.items():
+        verdict = exercises.check("average_gradients", fn)
+        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
