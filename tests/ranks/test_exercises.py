@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import cloudpickle
 import pytest
@@ -21,6 +22,7 @@ def solution(name: str, function: str):
     """The reference answer, sent to the ranks by value (``solutions/`` is not a package)."""
     spec = importlib.util.spec_from_file_location(f"solution_{name}", SOLUTIONS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # cloudpickle sends only modules it can find there
     spec.loader.exec_module(module)
     cloudpickle.register_pickle_by_value(module)
     return getattr(module, function)
