@@ -283,9 +283,133 @@ def grade_average_gradients(fn: Callable, timeout_s: float = 30.0) -> Verdict:
     )
 
 
+# ---- Megatron's MLP: a column- then a row-parallel Linear, with f and g (notebook 09) --------
+
+
+def _mlp_rank(ctx, fn) -> dict:
+    from torch import nn
+
+    t, r = ctx.world_size, ctx.rank
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(8, 16).double(), nn.Linear(16, 8).double()
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    dense = fc2(nn.functional.gelu(fc1(x)))
+    dense.square().sum().backward()
+    rows = slice(16 // t * r, 16 // t * (r + 1))  # fc1: this rank's output features
+    w1 = fc1.weight.detach()[rows].clone().requires_grad_()
+    b1 = fc1.bias.detach()[rows].clone().requires_grad_()
+    w2 = fc2.weight.detach()[:, rows].clone().requires_grad_()  # fc2: the same features, in
+    b2 = fc2.bias.detach().clone().requires_grad_()
+    mine = x.detach().clone().requires_grad_()
+    out = fn(mine, w1, b1, w2, b2)
+    out.square().sum().backward()
+
+    def diff(a, b):
+        return None if a is None else float((a - b).abs().max())
+
+    return {
+        "out": diff(out.detach(), dense.detach()),
+        "x_summed": diff(out.detach(), fc2(nn.functional.gelu(fc1(t * x))).detach()),
+        "bias_off": diff(out.detach() - (t - 1) * fc2.bias.detach(), dense.detach()),
+        "x_grad": diff(mine.grad, x.grad),
+        "x_grad_ratio": None if mine.grad is None else float(mine.grad.norm() / x.grad.norm()),
+        "w1_grad": diff(w1.grad, fc1.weight.grad[rows]),
+        "w2_grad": diff(w2.grad, fc2.weight.grad[:, rows]),
+        "b2_grad": diff(b2.grad, fc2.bias.grad),
+    }
+
+
+def grade_megatron_mlp(fn: Callable, timeout_s: float = 30.0) -> Verdict:
+    """``fn(x, w1, b1, w2, b2)``: the MLP ``fc2(gelu(fc1(x)))`` on this rank's shards (``w1``,
+    ``b1``: fc1's rows for this rank's hidden features; ``w2``: fc2's columns for the same
+    features; ``b2``: fc2's whole bias), with ``f`` before fc1 and ``g`` after fc2, returning
+    the whole output on every rank. Graded on 2 ranks: the output and the gradients of x, w1,
+    w2 and b2 against the dense MLP's."""
+    name = "megatron_mlp"
+    ranks = launch(_mlp_rank, 2, args=(fn,), device="cpu", timeout_s=timeout_s)
+    details = {2: ranks}
+    tol = 1e-9
+    for r, res in enumerate(ranks):
+        if res["out"] > tol:
+            if res["bias_off"] <= tol:
+                return Verdict(
+                    name,
+                    False,
+                    f"Rank {r}'s output is off by fc2's bias: every rank "
+                    "added b2 before the sum, so it was counted twice. Add it once, "
+                    "after g.",
+                    details,
+                )
+            if res["x_summed"] <= tol:
+                return Verdict(
+                    name,
+                    False,
+                    f"Rank {r}'s output is the MLP of x summed over the ranks: f all-reduced x "
+                    "on its way in. f is the identity forward (x is already whole everywhere).",
+                    details,
+                )
+            return Verdict(
+                name,
+                False,
+                f"Rank {r}'s output is twice the dense MLP's: the "
+                "input was summed over the ranks on its way in. f is the identity "
+                "forward.",
+                details,
+            )
+            return Verdict(
+                name,
+                False,
+                f"Rank {r}'s output differs from the dense MLP's (by "
+                f"{res['out']:.3g}): each rank holds only a partial sum after fc2. g "
+                "must all-reduce it forward.",
+                details,
+            )
+        for grad in ("w1_grad", "w2_grad", "b2_grad"):
+            if res[grad] is None:
+                return Verdict(
+                    name,
+                    False,
+                    f"{grad[:2]} got no gradient on rank {r}: compute "
+                    "with the tensors you were given (no .detach(), no copies).",
+                    details,
+                )
+        if res["x_grad"] is None or res["x_grad"] > tol:
+            ratio = res["x_grad_ratio"]
+            if ratio is not None and abs(ratio - 2) < 1e-6:
+                why = (
+                    "twice what it should be: g all-reduced the gradient on the way back "
+                    "too. g is the identity backward."
+                )
+            else:
+                why = (
+                    "only this rank's part: each rank's hidden features contribute to "
+                    "dL/dx. f must all-reduce it backward."
+                )
+            return Verdict(
+                name, False, f"The output is right, but rank {r}'s gradient of x is {why}", details
+            )
+        if max(res["w1_grad"], res["w2_grad"], res["b2_grad"]) > tol:
+            return Verdict(
+                name,
+                False,
+                f"The output and dL/dx are right, but rank {r}'s weight "
+                "gradients differ from the dense MLP's slices: check what g hands "
+                "back in backward.",
+                details,
+            )
+    return Verdict(
+        name,
+        True,
+        "On 2 ranks the output and every gradient equal the dense MLP's: "
+        "one all-reduce forward (g), one backward (f), nothing else.",
+        details,
+    )
+
+
 EXERCISES: dict[str, tuple[Callable, str, str]] = {
     "average_gradients": (grade_average_gradients, "01", "average gradients by hand"),
     "ring_all_reduce": (grade_ring_all_reduce, "03", "ring all-reduce from send and recv"),
+    "megatron_mlp": (grade_megatron_mlp, "09", "Megatron's MLP: column, row, f and g"),
 }
 
 

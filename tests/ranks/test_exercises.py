@@ -45,7 +45,9 @@ def test_a_blank_is_not_written_yet_and_the_solutions_pass():
     for n in (2, 3):  # sent what the ring sends: 2(n-1)/n of x, in 2(n-1) sends and receives
         assert all(r["bytes"] == 2 * (n - 1) * r["payload_bytes"] / n for r in ring.details[n])
         assert all(r["calls"] == 4 * (n - 1) for r in ring.details[n])
-    avg = exercises.check("average_gradients", solution("average_gradients", "my_average_gradients"))
+    avg = exercises.check(
+        "average_gradients", solution("average_gradients", "my_average_gradients")
+    )
     assert avg.passed is True, avg.message
 
 
@@ -114,4 +116,67 @@ def test_each_common_wrong_average_gets_its_message():
         one_layer: "differ from single-device training",
     }.items():
         verdict = exercises.check("average_gradients", fn)
+        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+
+
+def test_megatron_mlp_passes_its_solution_and_names_each_misplaced_collective():
+    import torch.nn.functional as F
+
+    assert exercises.check("megatron_mlp", solution("megatron_mlp", "my_megatron_mlp")).passed
+
+    def reduce(x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    class Both(torch.autograd.Function):  # all-reduce forward and backward
+        @staticmethod
+        def forward(ctx, x):
+            return reduce(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return reduce(grad)
+
+    class Back(torch.autograd.Function):  # f: all-reduce backward
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return reduce(grad)
+
+    class Fwd(torch.autograd.Function):  # g: all-reduce forward
+        @staticmethod
+        def forward(ctx, x):
+            return reduce(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    def no_g(x, w1, b1, w2, b2):
+        return F.linear(F.gelu(F.linear(Back.apply(x), w1, b1)), w2) + b2
+
+    def bias_twice(x, w1, b1, w2, b2):
+        return Fwd.apply(F.linear(F.gelu(F.linear(Back.apply(x), w1, b1)), w2, b2))
+
+    def no_f(x, w1, b1, w2, b2):
+        return Fwd.apply(F.linear(F.gelu(F.linear(x, w1, b1)), w2)) + b2
+
+    def g_both_ways(x, w1, b1, w2, b2):
+        return Both.apply(F.linear(F.gelu(F.linear(Back.apply(x), w1, b1)), w2)) + b2
+
+    def f_forward(x, w1, b1, w2, b2):
+        return Fwd.apply(F.linear(F.gelu(F.linear(Both.apply(x), w1, b1)), w2)) + b2
+
+    for fn, said in {
+        no_g: "g must all-reduce it forward",
+        bias_twice: "counted twice",
+        no_f: "f must all-reduce it backward",
+        g_both_ways: "g is the identity backward",
+        f_forward: "f is the identity forward",
+    }.items():
+        verdict = exercises.check("megatron_mlp", fn)
         assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
