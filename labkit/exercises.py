@@ -406,9 +406,87 @@ def grade_megatron_mlp(fn: Callable, timeout_s: float = 30.0) -> Verdict:
     )
 
 
+# ---- ZeRO-1's step: the optimizer state sharded (notebook 05) ----------------------------------
+
+
+def _zero1_rank(ctx, fn, steps: int) -> dict:
+    n, r = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(0)
+    shapes = [(6, 4), (6,), (3, 6), (3,), (5,)]
+    start = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    mine = [t.clone() for t in start]
+    ref = [t.clone().requires_grad_() for t in start]
+    sgd = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    state: dict = {}
+    for _ in range(steps):
+        grads = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]  # averaged
+        for p, grad in zip(mine, grads):
+            p.grad = grad.clone()
+        fn(mine, state, 0.1, 0.9)
+        for p, grad in zip(ref, grads):
+            p.grad = grad.clone()
+        sgd.step()
+    return {
+        "diff": [float((a - b.detach()).abs().max()) for a, b in zip(mine, ref)],
+        "state_keys": sorted(state),
+        "owned": [i for i in range(len(shapes)) if i % n == r],
+    }
+
+
+def grade_zero1_step(fn: Callable, timeout_s: float = 30.0) -> Verdict:
+    """``fn(params, state, lr, momentum)``: one SGD-with-momentum step where rank r owns the
+    parameters ``i % n == r``: it keeps the momentum of those only (``state[i]``), updates
+    them, and every parameter then reaches every rank from its owner. Graded on 2 and 3 ranks
+    over 3 steps against ``torch.optim.SGD`` on every parameter."""
+    name, details = "zero1_step", {}
+    for n in (2, 3):
+        ranks = launch(_zero1_rank, n, args=(fn, 3), device="cpu", timeout_s=timeout_s)
+        details[n] = ranks
+        for r, res in enumerate(ranks):
+            extra = sorted(set(res["state_keys"]) - set(res["owned"]))
+            if extra:
+                return Verdict(
+                    name,
+                    False,
+                    f"On {n} ranks rank {r} kept momentum for parameters "
+                    f"{extra}, which it does not own: ZeRO-1's saving is that each rank "
+                    "keeps only its 1/n of the optimizer state.",
+                    details,
+                )
+            wrong = [i for i, d in enumerate(res["diff"]) if d > 1e-9]
+            if not wrong:
+                continue
+            if set(wrong) <= set(range(len(res["diff"]))) - set(res["owned"]):
+                return Verdict(
+                    name,
+                    False,
+                    f"On {n} ranks rank {r}'s own parameters are right, "
+                    f"but {wrong} (owned by other ranks) are not: after each rank "
+                    "updates its own, broadcast every parameter from its owner "
+                    "(dist.broadcast(p, src=i % n)).",
+                    details,
+                )
+            return Verdict(
+                name,
+                False,
+                f"On {n} ranks rank {r}'s parameters {wrong} differ from "
+                "SGD with momentum: buf = momentum * buf + grad (buf = grad at the "
+                "first step), then p -= lr * buf.",
+                details,
+            )
+    return Verdict(
+        name,
+        True,
+        "On 2 and 3 ranks, three steps equal torch's SGD with momentum on "
+        "every rank, while each rank kept the momentum of its own parameters only.",
+        details,
+    )
+
+
 EXERCISES: dict[str, tuple[Callable, str, str]] = {
     "average_gradients": (grade_average_gradients, "01", "average gradients by hand"),
     "ring_all_reduce": (grade_ring_all_reduce, "03", "ring all-reduce from send and recv"),
+    "zero1_step": (grade_zero1_step, "05", "ZeRO-1's optimizer step, its state sharded"),
     "megatron_mlp": (grade_megatron_mlp, "09", "Megatron's MLP: column, row, f and g"),
 }
 

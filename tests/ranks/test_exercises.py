@@ -180,3 +180,35 @@ def test_megatron_mlp_passes_its_solution_and_names_each_misplaced_collective():
     }.items():
         verdict = exercises.check("megatron_mlp", fn)
         assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+
+
+def test_zero1_step_passes_its_solution_and_names_each_common_mistake():
+    assert exercises.check("zero1_step", solution("zero1_step", "my_zero1_step")).passed
+
+    def everything(params, state, lr, momentum):  # right numbers, no sharding
+        for i, p in enumerate(params):
+            state[i] = buf = p.grad.clone() if i not in state else state[i].mul_(momentum) + p.grad
+            p.sub_(lr * buf)
+
+    def no_broadcast(params, state, lr, momentum):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        for i, p in enumerate(params):
+            if i % n == rank:
+                state[i] = buf = p.grad.clone() if i not in state else state[i] * momentum + p.grad
+                p.sub_(lr * buf)
+
+    def no_momentum(params, state, lr, momentum):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        for i, p in enumerate(params):
+            if i % n == rank:
+                p.sub_(lr * p.grad)
+        for i, p in enumerate(params):
+            dist.broadcast(p, src=i % n)
+
+    for fn, said in {
+        everything: "which it does not own",
+        no_broadcast: "broadcast every parameter from its owner",
+        no_momentum: "differ from SGD with momentum",
+    }.items():
+        verdict = exercises.check("zero1_step", fn)
+        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
