@@ -212,3 +212,30 @@ def test_zero1_step_passes_its_solution_and_names_each_common_mistake():
     }.items():
         verdict = exercises.check("zero1_step", fn)
         assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+
+
+def test_local_sgd_average_passes_its_solution_and_names_each_common_mistake():
+    fn = solution("local_sgd_average", "my_average_parameters")
+    assert exercises.check("local_sgd_average", fn).passed
+
+    def nothing(model):
+        pass
+
+    def summed(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.all_reduce(p)
+
+    def to_rank0(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.reduce(p, dst=0)
+                p /= dist.get_world_size()
+
+    for fn, said in {
+        nothing: "did not change",
+        summed: "divide by the world size",
+        to_rank0: "not a reduce to one rank",
+    }.items():
+        verdict = exercises.check("local_sgd_average", fn)
+        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
