@@ -95,3 +95,53 @@ def to_target_bars(table: pd.DataFrame, column: str = "seconds_to_target") -> go
         height=340,
     )
     return fig
+
+
+def lanes(records: pd.DataFrame, steps: int = 8) -> go.Figure:
+    """Who waits for whom: one lane per run and rank, its first ``steps`` measured steps on the
+    shared clock (from each run's first measured step), each step split into compute, wait,
+    communication and optimizer (``labkit.plots.balance.SEGMENTS``). DDP's lanes communicate
+    every step; local SGD's and DiLoCo's every H steps; a parameter server's workers never wait
+    for each other, and the server (rank 0) waits for pushes."""
+    from . import records_label
+    from .balance import SEGMENTS
+
+    df = records.assign(run=records_label(records))
+    bars = {name: ([], [], [], []) for name, _, _ in SEGMENTS}  # base, width, lane, hover
+    for run, recs in df.groupby("run", sort=False):
+        recs = recs[recs["step"] < recs["step"].min() + steps]
+        t0 = recs["start_s"].min()
+        for _, r in recs.iterrows():
+            at = r["start_s"] - t0
+            for name, cols, _ in SEGMENTS:
+                width = sum(float(r[c]) for c in cols if c in r and pd.notna(r[c]))
+                if width > 0:
+                    base, widths, lane, hover = bars[name]
+                    base.append(1e3 * at)
+                    widths.append(1e3 * width)
+                    lane.append(f"{run} · rank {int(r['rank'])}")
+                    hover.append(f"step {int(r['step'])}: {name} {1e3 * width:.1f} ms")
+                    at += width
+    fig = go.Figure()
+    for name, _, colour in SEGMENTS:
+        base, widths, lane, hover = bars[name]
+        fig.add_trace(
+            go.Bar(
+                base=base,
+                x=widths,
+                y=lane,
+                orientation="h",
+                name=name,
+                marker_color=colour,
+                hovertext=hover,
+            )  # fmt: skip
+        )
+    n_lanes = df.groupby(["run", "rank"]).ngroups
+    fig.update_layout(
+        barmode="overlay",
+        title=f"The first {steps} steps of each mode, per rank: who waits for whom",
+        xaxis_title="ms since the run's first measured step",
+        yaxis={"autorange": "reversed"},
+        height=140 + 28 * n_lanes,
+    )
+    return fig

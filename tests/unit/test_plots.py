@@ -81,3 +81,32 @@ def test_every_panel_table_goes_through_the_one_formatter():
     out = mime_output(pd.DataFrame({"world_size": [2.0], "step_ms": [3.14159]}))
     assert "step (ms)" in out["data"]["text/html"] and "3.1" in out["data"]["text/plain"]
     assert "2.0" not in out["data"]["text/plain"] and "3.14159" not in out["data"]["text/html"]
+
+
+def test_sync_lanes_lay_each_rank_s_steps_end_to_end_from_the_records():
+    import pandas as pd
+
+    from labkit.plots.sync_async import lanes
+
+    rows = []
+    for strategy in ("ddp", "local_sgd"):
+        for rank in (0, 1):
+            for step in range(3):
+                comm = 0.002 if strategy == "ddp" or step == 2 else 0.0
+                phases = dict(data_s=0.001, forward_s=0.002, backward_s=0.003, wait_s=0.0)
+                rows.append(
+                    dict(strategy=strategy, world_size=2, rank=rank, step=step,
+                         start_s=10.0 + 0.01 * step, comm_s=comm, optimizer_s=0.001, **phases)
+                )  # fmt: skip
+    fig = lanes(pd.DataFrame(rows), steps=2)
+    by_name = {t.name: t for t in fig.data}
+    assert len(by_name["comm"].x) == 4  # ddp's two steps on two ranks; local SGD's step 2 cut
+    assert len(by_name["compute"].x) == 8 and not len(by_name["wait"].x)
+    # on each lane a step's segments follow each other: the optimizer starts where comm ends
+    ddp = [i for i, lane in enumerate(by_name["comm"].y) if lane.startswith("ddp")]
+    for i in ddp:
+        assert (
+            abs(by_name["comm"].base[i] + by_name["comm"].x[i] - by_name["optimizer"].base[i])
+            < 1e-9
+        )
+    assert min(by_name["compute"].base) == 0.0  # each run from its first measured step
