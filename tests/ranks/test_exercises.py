@@ -28,6 +28,13 @@ def solution(name: str, function: str):
     return getattr(module, function)
 
 
+def answers(exercise: str, cases: dict) -> None:
+    """Each wrong answer fails, with its own message."""
+    for fn, said in cases.items():
+        verdict = exercises.check(exercise, fn)
+        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+
+
 def test_every_exercise_has_a_solution_and_a_lesson():
     assert sorted(exercises.EXERCISES) == sorted(p.stem for p in SOLUTIONS.glob("*.py"))
     with pytest.raises(ValueError, match="ring_all_reduce"):
@@ -81,9 +88,7 @@ def test_each_common_wrong_ring_gets_its_message():
         nothing: "still holds its own values",
         mean: "holds the mean",
     }
-    for fn, said in cases.items():
-        verdict = exercises.check("ring_all_reduce", fn)
-        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+    answers("ring_all_reduce", cases)
 
 
 def test_a_ring_that_waits_to_receive_first_ends_in_its_timeout_naming_the_ranks():
@@ -110,13 +115,14 @@ def test_each_common_wrong_average_gets_its_message():
         dist.all_reduce(p.grad)
         p.grad /= dist.get_world_size()
 
-    for fn, said in {
-        summed: "you summed them; divide by the world size",
-        kept: "kept its own gradients",
-        one_layer: "differ from single-device training",
-    }.items():
-        verdict = exercises.check("average_gradients", fn)
-        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+    answers(
+        "average_gradients",
+        {
+            summed: "you summed them; divide by the world size",
+            kept: "kept its own gradients",
+            one_layer: "differ from single-device training",
+        },
+    )
 
 
 def test_megatron_mlp_passes_its_solution_and_names_each_misplaced_collective():
@@ -171,15 +177,16 @@ def test_megatron_mlp_passes_its_solution_and_names_each_misplaced_collective():
     def f_forward(x, w1, b1, w2, b2):
         return Fwd.apply(F.linear(F.gelu(F.linear(Both.apply(x), w1, b1)), w2)) + b2
 
-    for fn, said in {
-        no_g: "g must all-reduce it forward",
-        bias_twice: "counted twice",
-        no_f: "f must all-reduce it backward",
-        g_both_ways: "g is the identity backward",
-        f_forward: "f is the identity forward",
-    }.items():
-        verdict = exercises.check("megatron_mlp", fn)
-        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+    answers(
+        "megatron_mlp",
+        {
+            no_g: "g must all-reduce it forward",
+            bias_twice: "counted twice",
+            no_f: "f must all-reduce it backward",
+            g_both_ways: "g is the identity backward",
+            f_forward: "f is the identity forward",
+        },
+    )
 
 
 def test_zero1_step_passes_its_solution_and_names_each_common_mistake():
@@ -205,13 +212,14 @@ def test_zero1_step_passes_its_solution_and_names_each_common_mistake():
         for i, p in enumerate(params):
             dist.broadcast(p, src=i % n)
 
-    for fn, said in {
-        everything: "which it does not own",
-        no_broadcast: "broadcast every parameter from its owner",
-        no_momentum: "differ from SGD with momentum",
-    }.items():
-        verdict = exercises.check("zero1_step", fn)
-        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+    answers(
+        "zero1_step",
+        {
+            everything: "which it does not own",
+            no_broadcast: "broadcast every parameter from its owner",
+            no_momentum: "differ from SGD with momentum",
+        },
+    )
 
 
 def test_local_sgd_average_passes_its_solution_and_names_each_common_mistake():
@@ -232,10 +240,11 @@ def test_local_sgd_average_passes_its_solution_and_names_each_common_mistake():
                 dist.reduce(p, dst=0)
                 p /= dist.get_world_size()
 
-    for fn, said in {
-        nothing: "did not change",
-        summed: "divide by the world size",
-        to_rank0: "not a reduce to one rank",
-    }.items():
-        verdict = exercises.check("local_sgd_average", fn)
-        assert verdict.passed is False and said in verdict.message, (fn.__name__, verdict.message)
+    answers(
+        "local_sgd_average",
+        {
+            nothing: "did not change",
+            summed: "divide by the world size",
+            to_rank0: "not a reduce to one rank",
+        },
+    )
