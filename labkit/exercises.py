@@ -231,7 +231,10 @@ def _average_rank(ctx, fn, steps: int) -> dict:
         opt.step(), ref.step()
         opt.zero_grad(), ref.zero_grad()
         out["param_diff"].append(
-            max(float((a - b).abs().max()) for a, b in zip(model.parameters(), single.parameters()))
+            max(
+                float((a - b).detach().abs().max())
+                for a, b in zip(model.parameters(), single.parameters())
+            )
         )
     return out
 
