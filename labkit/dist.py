@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import gc
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -362,8 +363,6 @@ def on_threads(fn: Callable, world_size: int, timeout_s: float = 30.0) -> list:
     train need processes (``labkit.launch``). Returns each rank's result, in rank order; the
     first error any rank raised is raised here once every thread has stopped (a peer left
     waiting on the failed rank times out after ``timeout_s``: that error comes later)."""
-    import threading
-
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     store = dist.HashStore()
