@@ -227,7 +227,6 @@ def _average_rank(ctx, fn, steps: int) -> dict:
         local_g = torch.cat([t.reshape(-1) for t in local])
         out["grad_ratio"].append(float(mine_g.norm() / want_g.norm()))
         out["local_ratio"].append(float((mine_g - local_g).abs().max()))
-        out["grad_diff"] = float((mine_g - want_g).abs().max())
         opt.step(), ref.step()
         opt.zero_grad(), ref.zero_grad()
         out["param_diff"].append(
@@ -565,8 +564,3 @@ EXERCISES: dict[str, tuple[Callable, str, str]] = {
     "local_sgd_average": (grade_local_sgd_average, "06", "local SGD's averaging round"),
     "megatron_mlp": (grade_megatron_mlp, "09", "Megatron's MLP: column, row, f and g"),
 }
-
-
-def describe() -> list[str]:
-    """One line per exercise: its name, lesson and what the learner writes."""
-    return [f"{name} (notebook {lesson}): {what}" for name, (_, lesson, what) in EXERCISES.items()]
