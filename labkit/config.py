@@ -115,6 +115,19 @@ class RunConfig:
     outer_momentum: float = knob(0.9, "diloco: the outer step's Nesterov momentum")
     staleness_lr: bool = knob(False, "async_ps: an update s versions stale uses lr / max(1, s)")
 
+    # ---- mixture of experts (notebook 15, labkit.moe): the transformer's feed-forward as E experts
+    experts: int = knob(0, "transformer: experts E in each block's feed-forward, a router "
+                        "picking top_k per token (0: the dense feed-forward)")  # fmt: skip
+    top_k: int = knob(1, "experts: how many experts each token is routed to (k)")
+    capacity_factor: float = knob(1.25, "experts: each expert takes at most ceil(factor x "
+                                  "tokens x k / E) of a group's tokens")  # fmt: skip
+    aux_loss: float = knob(0.01, "experts: coefficient of Switch's load-balancing loss "
+                           "E x sum_i f_i P_i (0: off)")  # fmt: skip
+    router_skew: float = knob(0.0, "experts: added to expert 0's router logit (a skewed router)")
+    expert_groups: int | None = knob(None, "experts: token groups G per global batch, the capacity "
+                                     "counted in each; sample j in group j % G (default: one "
+                                     "per data-parallel rank)")  # fmt: skip
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "slowdown", parse_slowdown(self.slowdown))
         for f in dataclasses.fields(self):  # every field with a list of values
@@ -169,6 +182,7 @@ class RunConfig:
         self._check_tensor_parallel()
         self._check_hybrid_shard()
         self._check_strategy()
+        self._check_experts()
         if self.dataset_size < self.global_batch:
             raise ValueError(
                 f"dataset_size {self.dataset_size} is smaller than one global batch "
@@ -380,6 +394,89 @@ class RunConfig:
                 f"hsdp runs world_size / shard_size copies of a model sharded over shard_size "
                 f"ranks, set shard_size to a divisor of {self.world_size}"
             )
+
+    def _check_experts(self) -> None:
+        """A mixture of experts (``labkit.moe``): its knobs, and the groups its capacity is
+        counted in, which every rank's batch must split into."""
+        shaping = ("top_k", "capacity_factor", "aux_loss", "router_skew", "expert_groups")
+        fields = RunConfig.__dataclass_fields__
+        changed = [n for n in shaping if getattr(self, n) != fields[n].default]
+        if self.experts < 0:
+            raise ValueError(
+                f"experts must be >= 0 (0: the dense feed-forward), got {self.experts}"
+            )
+        if not self.experts:
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} shape a mixture of experts: set experts (E >= 1, "
+                    f"with model='transformer') or leave them at their defaults"
+                )
+            return
+        if "experts" not in registry.get(self.strategy).knobs:
+            self._refuse(
+                "experts", "experts makes every feed-forward a mixture of experts", "set experts=0"
+            )
+        if self.model != "transformer":
+            raise ValueError(
+                f"experts={self.experts} replaces the transformer's feed-forward with a mixture "
+                f"of experts: set model='transformer' (got {self.model!r})"
+            )
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"top_k={self.top_k}: each token goes to between 1 and experts={self.experts} "
+                f"experts, set top_k in that range"
+            )
+        if not self.capacity_factor > 0 or not self.aux_loss >= 0:
+            raise ValueError(
+                f"capacity_factor must be positive and aux_loss >= 0, got "
+                f"{self.capacity_factor} and {self.aux_loss}"
+            )
+        if not abs(self.router_skew) < float("inf"):
+            raise ValueError(f"router_skew must be a finite number, got {self.router_skew}")
+        if self.accumulate != 1:
+            raise ValueError(
+                f"a mixture of experts counts its capacity in groups of one forward's tokens, "
+                f"which accumulation would shrink: set accumulate=1 (got {self.accumulate})"
+            )
+        if self.skew > 0 or self.rebalance != "static":
+            raise ValueError(
+                "skew and rebalance change each rank's share of the batch, and with it the token "
+                "groups a mixture of experts counts its capacity in: set skew=0 and "
+                "rebalance='static' (a straggler alone, slowdown, works)"
+            )
+        if self.precision == "fp16" and self.aux_loss:
+            raise ValueError(
+                "the auxiliary loss's gradient is added beside the loss a GradScaler scales: "
+                "use precision='bf16' (no scaler) or aux_loss=0"
+            )
+        g, n = self.token_groups, self.data_ranks
+        if g < 1 or g % n:
+            raise ValueError(
+                f"expert_groups={g}: each of the {n} data-parallel ranks holds whole token "
+                f"groups, set expert_groups to a multiple of {n} (or None: one per rank)"
+            )
+        if self.batch_per_rank % (g // n):
+            raise ValueError(
+                f"each rank's {self.batch_per_rank} samples do not split into {g // n} token "
+                f"groups: pick a global batch that is a multiple of expert_groups={g}"
+            )
+        if registry.get(self.strategy).kind == "expert_parallel" and self.experts % n:
+            raise ValueError(
+                f"{self.strategy} puts experts / world_size experts on each rank: "
+                f"{self.experts} experts do not split over {n} ranks, set experts to a "
+                f"multiple of {n}"
+            )
+
+    @property
+    def token_groups(self) -> int:
+        """A mixture of experts' token groups per global batch (``expert_groups``, by default
+        one per data-parallel rank: GShard's groups, a device's tokens each)."""
+        return self.expert_groups if self.expert_groups is not None else self.data_ranks
+
+    @property
+    def groups_per_rank(self) -> int:
+        """Token groups in one rank's batch (``labkit.moe.MoESpec.groups``)."""
+        return max(1, self.token_groups // self.data_ranks)
 
     @property
     def shard_group(self) -> int:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import RunConfig
+from .moe import MoE, MoESpec
 
 
 def mlp(
@@ -109,14 +110,17 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """A GPT-2 style pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """A GPT-2 style pre-LayerNorm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``; with
+    ``moe``, the feed-forward is a mixture of experts, each a ``FeedForward`` (``labkit.moe``)."""
 
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, moe: MoESpec | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden)
         self.attn = SelfAttention(hidden, heads)
         self.ln2 = nn.LayerNorm(hidden)
-        self.mlp = FeedForward(hidden)
+        self.mlp = (
+            FeedForward(hidden) if moe is None else MoE(hidden, moe, lambda: FeedForward(hidden))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -143,14 +147,16 @@ def transformer(
     classes: int = 10,
     heads: int = 4,
     seq_len: int = 16,
+    moe: MoESpec | None = None,
 ) -> nn.Sequential:
     """A small GPT-style sequence classifier: embedding, ``layers`` blocks, head (``layers + 2``
     splittable blocks). Input (batch, seq_len, in_features), output (batch, classes).
 
     Causal, as in GPT (the model the Megatron-LM papers split): the mask changes nothing about
     how tensor parallelism cuts it (heads are independent either way), and the last position,
-    which has attended to every other one, is what the head reads."""
-    blocks = [Block(hidden, heads) for _ in range(layers)]
+    which has attended to every other one, is what the head reads. ``moe``: every block's
+    feed-forward a mixture of experts."""
+    blocks = [Block(hidden, heads, moe) for _ in range(layers)]
     return nn.Sequential(Embed(in_features, hidden, seq_len), *blocks, Head(hidden, classes))
 
 
@@ -167,9 +173,25 @@ def make_model(cfg: RunConfig) -> nn.Sequential:
             cfg.classes,
             heads=cfg.heads,
             seq_len=cfg.seq_len,
+            moe=moe_spec(cfg),
         )
     build = unbalanced_mlp if cfg.model == "unbalanced_mlp" else mlp
     return build(cfg.in_features, cfg.width, cfg.depth, cfg.classes)
+
+
+def moe_spec(cfg: RunConfig) -> MoESpec | None:
+    """The mixture of experts a config asks for (None: ``experts=0``, the dense feed-forward);
+    its groups are one rank's share of ``cfg.token_groups``."""
+    if not cfg.experts:
+        return None
+    return MoESpec(
+        cfg.experts,
+        cfg.top_k,
+        cfg.capacity_factor,
+        cfg.aux_loss,
+        cfg.router_skew,
+        groups=cfg.groups_per_rank,
+    )
 
 
 def even_bounds(n_layers: int, stages: int) -> list[int]:

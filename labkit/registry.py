@@ -13,7 +13,9 @@ Kinds:
 * ``tensor_parallel``: every layer split across ranks, which all see the same batch;
 * ``composed``: two of the above on a 2-D device mesh (data x pipeline, data x tensor);
 * ``periodic``: ranks train alone for H steps, then average (local SGD, DiLoCo);
-* ``asynchronous``: no step-wide synchronisation at all (a parameter server, Hogwild).
+* ``asynchronous``: no step-wide synchronisation at all (a parameter server, Hogwild);
+* ``expert_parallel``: a mixture of experts' experts spread over the ranks, tokens sent to them
+  by all-to-all; the rest of the model data parallel.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ KINDS = (
     "composed",
     "periodic",
     "asynchronous",
+    "expert_parallel",
 )
 
 # knobs of the shared training loop (labkit.rank.loop): every strategy that runs it takes them
@@ -42,6 +45,8 @@ STRAGGLER = frozenset({"slowdown"})
 BALANCING = frozenset({"slowdown", "skew", "rebalance", "rebalance_every"})
 PIPELINE = frozenset({"stages", "microbatches", "pipeline_impl", "balance_stages"})
 TENSOR = frozenset({"tp", "sequence_parallel"})
+# a mixture of experts in the transformer (labkit.moe): what trains it the same everywhere
+MOE = frozenset({"experts", "top_k", "capacity_factor", "aux_loss", "router_skew", "expert_groups"})
 
 
 @dataclass(frozen=True)
@@ -92,18 +97,18 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy("single", "single", "reference", one_process=True, knobs=LOOP | ACCUMULATE,
+        Strategy("single", "single", "reference", one_process=True, knobs=LOOP | ACCUMULATE | MOE,
                  zero_stage=0, colour="#9e9e9e", summary="one device, the reference"),
         Strategy("dataparallel", "dataparallel", "data_parallel", one_process=True,
                  knobs=LOOP | ACCUMULATE, zero_stage=0, colour="#72b7b2",
                  summary="nn.DataParallel: one process, the batch split over its devices"),
         Strategy("ddp", "ddp", "data_parallel",
-                 knobs=LOOP | ACCUMULATE | BALANCING
+                 knobs=LOOP | ACCUMULATE | BALANCING | MOE
                  | {"bucket_cap_mb", "comm_hook", "powersgd_rank", "sync_batchnorm"},
                  zero_stage=0, grad_sync="buckets",
                  colour="#4c78a8", summary="DistributedDataParallel: overlapped bucket all-reduce"),
         Strategy("ddp_naive", "ddp_naive", "data_parallel",
-                 knobs=LOOP | ACCUMULATE | BALANCING | {"sync_batchnorm"}, zero_stage=0,
+                 knobs=LOOP | ACCUMULATE | BALANCING | MOE | {"sync_batchnorm"}, zero_stage=0,
                  grad_sync="per_tensor", joinable=True, colour="#f58518",
                  summary="data parallelism by hand: all-reduce every gradient after backward"),
         Strategy("zero1", "zero1", "data_parallel",
@@ -148,6 +153,9 @@ STRATEGIES: dict[str, Strategy] = {
                  float32_only="hogwild's ranks share one float32 buffer of parameters",
                  colour="#8c564b",
                  summary="Hogwild: one shared-memory model, updated without locks"),
+        Strategy("ep", "ep", "expert_parallel", knobs=MOE | {"precision", "profile_dir"},
+                 colour="#637939",
+                 summary="expert parallelism: experts over the ranks, tokens sent by all-to-all"),
     )
 }
 # fmt: on

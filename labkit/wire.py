@@ -15,7 +15,9 @@ Two quantities per operation:
   coefficient of the alpha-beta model the predictor uses (``labkit.predict.collectives``, the
   convention of nccl-tests' bus bandwidth) times the message size. An all-reduce of S bytes on
   n ranks sends 2(n-1)/n x S per rank, a reduce-scatter of S bytes (n-1)/n x S, an all-gather
-  whose output is S bytes (n-1)/n x S, a broadcast S, a send its message. On one rank, 0.
+  whose output is S bytes (n-1)/n x S, a broadcast S, a send its message, an all-to-all of S
+  bytes all but the piece it keeps for itself ((n-1)/n x S when the pieces are equal: the
+  hook is not handed ``all_to_all_single``'s split sizes). On one rank, 0.
 
 ``traffic()`` is this process's running tally; the training loop reads it once per step
 (``Traffic.take``). With ``timing`` on, each collective's interval in flight (issued to
@@ -60,8 +62,8 @@ HookOpName = _hook_op_names()
 COUNTING = HookOpName is not None
 WHY_NOT = "" if COUNTING else f"torch {torch.__version__} has no process-group hooks (2.14 has)"
 
-# the alpha-beta model's name for each operation (a reduce to one root, a gather, a scatter and
-# an all-to-all cost one message per peer: modelled as point to point)
+# the alpha-beta model's name for each operation (a reduce to one root, a gather and a scatter
+# cost one message per peer: modelled as point to point)
 _OPS = (
     {
         HookOpName.ALLREDUCE: "all_reduce",
@@ -73,7 +75,7 @@ _OPS = (
         HookOpName.RECV: "p2p",
         HookOpName.GATHER: "p2p",
         HookOpName.SCATTER: "p2p",
-        HookOpName.ALLTOALL: "p2p",
+        HookOpName.ALLTOALL: "all_to_all",
     }
     if COUNTING
     else {}
@@ -168,8 +170,10 @@ def sent(args, payload: int, n: int, me: int) -> float:
         return 0.0 if me == root else float(payload)
     if name == HookOpName.SCATTER:  # the root sends every other rank its piece
         return payload * (n - 1) / n if me == root else 0.0
-    if name == HookOpName.ALLTOALL:  # every rank keeps its own piece
-        return payload * (n - 1) / n
+    if name == HookOpName.ALLTOALL:  # every rank keeps its own piece: in a list, exactly that
+        if len(args.input_tensors) == n:  # one; of one tensor, 1/n of it, which is exact for
+            return float(payload - args.input_tensors[me].nbytes)  # equal splits (the hook is
+        return payload * (n - 1) / n  # not handed all_to_all_single's split sizes)
     return float(payload)  # a send
 
 

@@ -147,6 +147,8 @@ def check(
             "training's by design; check static or dynamic shares instead"
         )
     cfg = base.replace(steps=steps, warmup=0, deterministic=True)
+    if cfg.experts and cfg.expert_groups is None:  # a mixture of experts' capacity is counted
+        cfg = cfg.replace(expert_groups=world_size)  # per token group: single uses the ranks'
     for name in strategies:  # every config valid before anything runs
         config_for(cfg, name, world_size)
     if compare_in == "float64":

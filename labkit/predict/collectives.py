@@ -12,6 +12,8 @@ the nccl-tests "bus bandwidth" factors are the ``b`` below):
     all_gather       ring, S = the gathered (output) size        a = n-1      b = (n-1)/n
     reduce_scatter   ring, S = the scattered (input) size        a = n-1      b = (n-1)/n
     broadcast        pipelined chain                              a = 1        b = 1
+    all_to_all       pairwise exchange, S = one rank's input      a = n-1      b = (n-1)/n
+                     (n-1 messages of S/n: each rank keeps its own piece; not in ``OPS``)
 
 Which algorithm a backend really runs: NCCL picks ring or tree per size and topology; gloo's
 CPU all-reduce is a ring (``gloo::allreduce``; torch never selects its bcube) and its
@@ -41,6 +43,8 @@ def coefficients(op: str, world_size: int) -> tuple[float, float]:
         return float(n - 1), (n - 1) / n
     if op in ("broadcast", "p2p"):  # p2p: one send to a neighbour
         return 1.0, 1.0
+    if op == "all_to_all":  # expert and Ulysses parallelism's exchange
+        return float(n - 1), (n - 1) / n
     raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)} or p2p")
 
 

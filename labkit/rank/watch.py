@@ -43,6 +43,7 @@ from .memory_meter import MemoryMeter
 from .probes import StepProbe, backward_time_without_comm, peak_memory
 from .recorder import Recorder
 from .resume import Resume
+from .router_load import RouterLoad
 from .torch_profiler import RankProfiler
 
 
@@ -128,6 +129,9 @@ class Watch:
         plain = getattr(model, "module", model)  # inside DDP / DataParallel: single's names
         self.meter = MemoryMeter(plain, optimizer, max(self.warmup - 1, 0), every_step)
         self.every_step = every_step
+        load = RouterLoad.of(plain)  # a mixture of experts: its router's load, every step
+        if load is not None:
+            self.parts.append(load)
         if hasattr(model, "no_sync") and hasattr(data, "loader"):  # DDP: buckets in backward
             self.calibration = Calibration(model, loss_fn, amp, data.loader, self.ctx.device)
         if self.cfg.checkpoint_dir is not None:
