@@ -6,7 +6,7 @@ pipeline bubble.
    timings, the compute profile measured on concurrent ranks
    (``labkit.labs.compute_profile``), the step
    predicted by ``labkit.predict.step`` and set beside the measured median step (slowest rank)
-   with ``comm.knob_rows``, the same rows notebook 03 shows: the medians of ``--rounds``
+   with ``comm.knob_rows``, the same rows notebook 06 shows: the medians of ``--rounds``
    rounds (fit, profile, run), with the fastest and slowest run beside them.
 2. Pipeline bubble (goal: predicted within 0.05 of measured at P=2, at the defaults and at
    width 1024 / batch 1024): measured at M in 1, 2, 4, 8; predicted for M = 2 and 4 from the

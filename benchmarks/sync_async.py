@@ -4,7 +4,7 @@
                                     [--rounds 3] [--straggler 3] [--quick] [--json PATH]
 
 One task (a 2-layer MLP on the toy classification set, global batch 512, seed 0) in the five
-modes of notebook 06: ddp, local_sgd (H=4), diloco (H=4), async_ps (a server + 2 workers) and
+modes of notebook 09: ddp, local_sgd (H=4), diloco (H=4), async_ps (a server + 2 workers) and
 hogwild, each once without and once with rank 1 computing ``--straggler`` times slower. Each
 round runs all ten configurations back to back (interleaved, so a busy spell hits every mode).
 The target is 60 % of the way from the first smoothed loss to where DDP without a straggler

@@ -54,14 +54,14 @@ class RunConfig:
                                BACKENDS)  # fmt: skip
     threads: int | None = knob(None, "torch threads per rank (default: cores // ranks)")
 
-    # ---- pipelines (notebook 02)
+    # ---- pipelines (notebook 03)
     stages: int = knob(2, "pipeline depth P (one stage per rank)")
     microbatches: int = knob(4, "micro-batches M per step")
     pipeline_impl: str = knob("scratch", "scratch: labkit's own schedules; torch: "
                               "torch.distributed.pipelining", PIPELINE_IMPLS)  # fmt: skip
     balance_stages: bool = knob(False, "cut stages by measured layer cost, not layer count")
 
-    # ---- tensor parallelism (notebook 09)
+    # ---- tensor parallelism (notebook 12)
     tp: int | None = knob(None, "tensor-parallel degree, ranks that split every layer (default: "
                           "all of them; dp_tp: world_size / tp replicas of tp ranks)")  # fmt: skip
     sequence_parallel: bool = knob(False, "tp: activations outside Megatron's regions split "
@@ -69,7 +69,7 @@ class RunConfig:
     shard_size: int | None = knob(None, "hsdp: ranks sharing one copy of the model (default: "
                                   "half of them); world_size / shard_size copies")  # fmt: skip
 
-    # ---- communication (notebook 03); accumulation is a knob of the shared loop
+    # ---- communication (notebook 06); accumulation is a knob of the shared loop
     bucket_cap_mb: float | None = knob(None, "DDP bucket size in MB (default: DDP's 25 MB, "
                                        "the first 1 MiB)")  # fmt: skip
     accumulate: int = knob(1, "micro-batches per optimizer step (gradient accumulation)")
@@ -79,7 +79,7 @@ class RunConfig:
                           COMM_HOOKS)  # fmt: skip
     powersgd_rank: int = knob(1, "comm_hook powersgd: matrix approximation rank")
 
-    # ---- load balancing (notebook 04): ranks made unequal, and shares that follow them
+    # ---- load balancing (notebook 07): ranks made unequal, and shares that follow them
     slowdown: tuple = knob((), "RANK:FACTOR[@STEP],...: e.g. 1:2, rank 1 computes 2x slower "
                            "(from measured step STEP)")  # fmt: skip
     skew: float = knob(0.0, "data skew: the last rank holds (1 + skew)x the first rank's data")
@@ -93,7 +93,7 @@ class RunConfig:
                                "final state")  # fmt: skip
     timeout_s: float = knob(300.0, "seconds a launch (and every collective) may take")
 
-    # ---- saved runs and elasticity (labkit.rank.resume, labkit.labs.elastic, notebook 07)
+    # ---- saved runs and elasticity (labkit.rank.resume, labkit.labs.elastic, notebook 10)
     checkpoint_dir: str | None = knob(None, "resume from the checkpoint in this folder, and "
                                       "write one there")  # fmt: skip
     checkpoint_every: int = knob(0, "optimizer steps between checkpoints (0: after the last)")
@@ -102,13 +102,13 @@ class RunConfig:
     pace_s: float = knob(0.0, "seconds each step lasts at least (sleeps the rest, outside the "
                          "measured step): a bigger model's pace, for demos")  # fmt: skip
 
-    # ---- memory and mixed precision (notebook 05): knobs of the shared training loop
+    # ---- memory and mixed precision (notebook 08): knobs of the shared training loop
     precision: str = knob("fp32", "torch.autocast to bf16, or fp16 with a GradScaler",
                           PRECISIONS)  # fmt: skip
     activation_checkpointing: bool = knob(False, "each block keeps only its input and "
                                           "recomputes the rest during backward")  # fmt: skip
 
-    # ---- synchronous vs asynchronous training (notebook 06)
+    # ---- synchronous vs asynchronous training (notebook 09)
     period: int = knob(4, "local_sgd / diloco: local steps H between averaging rounds")
     inner_lr: float = knob(1e-3, "diloco: the inner AdamW's learning rate")
     outer_lr: float = knob(0.7, "diloco: outer Nesterov SGD lr on the averaged delta")

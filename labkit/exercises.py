@@ -104,7 +104,7 @@ def _raised(exc: RankError) -> str:
     return f"Rank {exc.rank} raised an error: {last}. The full traceback is in `verdict.details`."
 
 
-# ---- ring all-reduce from send and recv (notebook 03) ---------------------------------------
+# ---- ring all-reduce from send and recv (notebook 06) ---------------------------------------
 
 
 def _ring_rank(ctx, fn, numel: int) -> dict:
@@ -285,7 +285,7 @@ def grade_average_gradients(fn: Callable, timeout_s: float = 30.0) -> Verdict:
     )
 
 
-# ---- Megatron's MLP: a column- then a row-parallel Linear, with f and g (notebook 09) --------
+# ---- Megatron's MLP: a column- then a row-parallel Linear, with f and g (notebook 12) --------
 
 
 def _mlp_rank(ctx, fn) -> dict:
@@ -400,7 +400,7 @@ def grade_megatron_mlp(fn: Callable, timeout_s: float = 30.0) -> Verdict:
     )
 
 
-# ---- ZeRO-1's step: the optimizer state sharded (notebook 05) ----------------------------------
+# ---- ZeRO-1's step: the optimizer state sharded (notebook 08) ----------------------------------
 
 
 def _zero1_rank(ctx, fn, steps: int) -> dict:
@@ -477,7 +477,7 @@ def grade_zero1_step(fn: Callable, timeout_s: float = 30.0) -> Verdict:
     )
 
 
-# ---- local SGD's averaging round (notebook 06) ------------------------------------------------
+# ---- local SGD's averaging round (notebook 09) ------------------------------------------------
 
 
 def _local_sgd_rank(ctx, fn, rounds: int, period: int) -> dict:

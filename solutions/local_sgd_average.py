@@ -1,4 +1,4 @@
-"""Notebook 06: local SGD's averaging round."""
+"""Notebook 09: local SGD's averaging round."""
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Notebook 09: Megatron's MLP on two ranks: a column-parallel fc1, a row-parallel fc2, f and g."""
+"""Notebook 12: Megatron's MLP on two ranks: a column-parallel fc1, a row-parallel fc2, f and g."""
 
 import torch
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""Notebook 03: a ring all-reduce from send and recv."""
+"""Notebook 06: a ring all-reduce from send and recv."""
 
 import torch
 import torch.distributed as dist

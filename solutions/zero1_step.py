@@ -1,4 +1,4 @@
-"""Notebook 05: ZeRO-1's optimizer step, the momentum sharded across ranks."""
+"""Notebook 08: ZeRO-1's optimizer step, the momentum sharded across ranks."""
 
 import torch.distributed as dist
 

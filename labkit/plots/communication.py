@@ -1,4 +1,4 @@
-"""Figures of the communication lab (notebook 03): bandwidth curves, knobs, what-if scaling."""
+"""Figures of the communication lab (notebook 06): bandwidth curves, knobs, what-if scaling."""
 
 from __future__ import annotations
 

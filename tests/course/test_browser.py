@@ -50,7 +50,7 @@ ARGS = [
 def lab(tmp_path_factory):
     """JupyterLab on loopback over a copy of the notebooks, with this interpreter's kernel."""
     root = tmp_path_factory.mktemp("lab")
-    for nb in sorted((REPO / "notebooks").glob("0[1-9]_*.ipynb")):  # every lab's notebook
+    for nb in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):  # every notebook
         shutil.copy(nb, root / nb.name)
     home = tmp_path_factory.mktemp("jupyter")  # no user settings, kernels or news pop-ups
     env = {
@@ -381,7 +381,7 @@ def test_data_parallel_panel_in_a_browser(lab, browser):
 
 def test_pipeline_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "02_model_parallel.ipynb", upto="pipeline_panel(base)")
+    page = open_and_run_all(browser, lab, "03_model_parallel.ipynb", upto="pipeline_panel(base)")
     assert "measured, one step (1f1b, P=2, M=4)" in panel_output(page)
 
     # as a person: GPipe with 8 micro-batches, Run, and the Gantt names the new run
@@ -392,7 +392,7 @@ def test_pipeline_panel_in_a_browser(lab, browser):
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: pipeline_gpipe P=2 M=8", 120)
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-02-after-run.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-03-after-run.png"), full_page=True)
     assert "measured, one step (gpipe, P=2, M=8)" in shown and "replayed" in shown, shown[:800]
     assert "closed form" in status
 
@@ -407,7 +407,7 @@ def test_pipeline_panel_in_a_browser(lab, browser):
 
 def test_communication_panels_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "03_communication.ipynb")
+    page = open_and_run_all(browser, lab, "06_communication.ipynb")
     assert "ddp@2" in panel_output(page)
 
     # as a person: the fp16 hook, Run, and the knobs table gains that run beside the first
@@ -417,7 +417,7 @@ def test_communication_panels_in_a_browser(lab, browser):
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: ddp@2, fp16", 120)
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-03-after-run.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-06-after-run.png"), full_page=True)
     assert "ddp@2, fp16" in shown and "predicted" in status, (status, shown[:800])
 
     # PowerSGD's rank picker is live only for PowerSGD
@@ -432,7 +432,7 @@ def test_communication_panels_in_a_browser(lab, browser):
     deadline = time.time() + 20
     while "predicted step time" not in panel_output(page) and time.time() < deadline:
         time.sleep(0.2)
-    page.screenshot(path=str(OUT / "browser-03-whatif.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-06-whatif.png"), full_page=True)
     assert "predicted step time" in panel_output(page)
 
     # Run was disabled and enabled again by the kernel (the fp16 run): the kernel's Interrupt
@@ -456,7 +456,7 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
     page = open_and_run_all(
         browser,
         lab,
-        "04_load_balancing.ipynb",
+        "07_load_balancing.ipynb",
         only=("labkit.env_probe()", "base = RunConfig(", "labkit.balance_panel("),
     )
     wait_status(page, r"ready: ddp_naive@2 static, slow 1:2", 10)
@@ -468,7 +468,7 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: ddp_naive@2 dynamic, slow 1:3", 120)
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-04-dynamic.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-07-dynamic.png"), full_page=True)
     assert "of the ideal" in status, status
     assert "dynamic, slow 1:3" in shown and "Throughput as the shares adapt" in shown, shown[:800]
 
@@ -478,7 +478,7 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
     page.click(".widget-button:has-text('Run')")
     wait_status(page, r"done: ddp_naive@2 static, slow 1:3.*2 run\(s\)", 120)
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-04-static.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-07-static.png"), full_page=True)
     assert "static, slow 1:3" in shown and "dynamic, slow 1:3" in shown, shown[:800]
 
     # Run was disabled and enabled by the kernel twice: the kernel's Interrupt still stops a run
@@ -497,7 +497,7 @@ def test_load_balancing_panel_in_a_browser(lab, browser):
 def test_elastic_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
     page = open_and_run_all(
-        browser, lab, "07_elastic.ipynb", only=("TINY = dict(", "labkit.elastic_panel(")
+        browser, lab, "10_elastic.ipynb", only=("TINY = dict(", "labkit.elastic_panel(")
     )
     wait_status(page, r"ready: ddp on torchrun, nnodes 1:2, 2000 steps", 10)
 
@@ -513,7 +513,7 @@ def test_elastic_panel_in_a_browser(lab, browser):
     status = wait_status(page, r"stopped by the Stop button", 60)
     stop_s = time.time() - t0
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-07-join.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-10-join.png"), full_page=True)
     assert "join" in shown and "an elastic job over time" in shown, (status, shown[:800])
     assert stop_s < 5, f"Stop took {stop_s:.1f} s"
 
@@ -540,7 +540,7 @@ def test_memory_panel_in_a_browser(lab, browser):
     page = open_and_run_all(
         browser,
         lab,
-        "05_memory_precision.ipynb",
+        "08_memory_precision.ipynb",
         only=("base = RunConfig(", "labkit.memory_panel("),
     )
     wait_status(page, r"done: fsdp@2, mlp 256x4", 10)
@@ -552,7 +552,7 @@ def test_memory_panel_in_a_browser(lab, browser):
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: zero1@2, mlp 256x4.*2 run\(s\)", 120)
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-05-zero1.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-08-zero1.png"), full_page=True)
     assert "calculator within" in status, status
     assert "zero1@2" in shown and "fsdp@2" in shown and "Counted: zero1@2" in shown, shown[:800]
 
@@ -583,7 +583,7 @@ def test_memory_panel_in_a_browser(lab, browser):
         depth=16,
         dataset_size=1024,
         activation_checkpointing=True,
-    )  # notebook 05's base at the sliders' largest
+    )  # notebook 08's base at the sliders' largest
     floor = MemoryPanel.floor_s(big)
     # the panel's rule: 4x the calculated bytes per rank, on every rank, within free memory
     need = 4 * predict(big, "sgd_momentum")[list(CATEGORIES)].sum(axis=1).max() * big.ranks
@@ -610,7 +610,7 @@ def test_memory_panel_in_a_browser(lab, browser):
 
 def test_sync_async_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "06_sync_async.ipynb", upto="labkit.sync_panel(")
+    page = open_and_run_all(browser, lab, "09_sync_async.ipynb", upto="labkit.sync_panel(")
     wait_status(page, r"ready: ddp@2, async_ps@3", 10)
 
     # as a person: rank 1's slowdown typed into its slider's readout, then Run
@@ -619,7 +619,7 @@ def test_sync_async_panel_in_a_browser(lab, browser):
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: ddp@2 slow 1:2\.5, async_ps@3 slow 1:2\.5; 2 run\(s\)", 180)
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-06-straggler.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-09-straggler.png"), full_page=True)
     assert "fastest to" in status or "run(s) in the table" in status, status
     assert "ddp@2 slow 1:2.5" in shown and "async_ps@3 slow 1:2.5" in shown, shown[:800]
     assert "Staleness" in shown, shown[:800]
@@ -638,7 +638,7 @@ def test_sync_async_panel_in_a_browser(lab, browser):
     wait_status(page, r"done: ddp@2 slow 1:2\.5, async_ps@3 slow 1:2\.5; 6 run\(s\)", 180)
     rows = output_table(page, "MB to target")
     ddp = [r["MB to target"] for r in rows if r["run"].startswith("ddp@2 slow 1:2.5")]
-    page.screenshot(path=str(OUT / "browser-06-three-runs.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-09-three-runs.png"), full_page=True)
     assert len(ddp) == 3 and len(set(ddp)) == 1 and float(ddp[0]) > 0, rows
     assert not kernel_ranks(lab)
     page.close()
@@ -646,7 +646,7 @@ def test_sync_async_panel_in_a_browser(lab, browser):
 
 def test_scheduling_panel_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
-    page = open_and_run_all(browser, lab, "08_scheduling.ipynb", upto="labkit.sched_panel(")
+    page = open_and_run_all(browser, lab, "11_scheduling.ipynb", upto="labkit.sched_panel(")
     wait_status(page, r"done: 3 policies on 4x8", 10)
 
     # as a person: 8 nodes (typed into the slider's readout), Run; the panel names the new cluster
@@ -655,7 +655,7 @@ def test_scheduling_panel_in_a_browser(lab, browser):
     page.click(".widget-button:has-text('Run')")
     status = wait_status(page, r"done: 3 policies on 8x8", 120)
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-08-after-run.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-11-after-run.png"), full_page=True)
     assert "lowest mean JCT" in status, status
     assert "on 8x8 (64 GPUs)" in shown and "Allocations under fifo" in shown, shown[:800]
 
@@ -677,7 +677,7 @@ def test_scheduling_panel_in_a_browser(lab, browser):
         assert "the simulation was abandoned" in status, status
         assert "below: an earlier run (300 jobs" in status and "8x8" in status, status
     assert "Allocations under fifo" in panel_output(page)  # the earlier run, still shown
-    page.screenshot(path=str(OUT / "browser-08-stopped.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-11-stopped.png"), full_page=True)
     assert not kernel_ranks(lab)
     page.close()
 
@@ -687,7 +687,7 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     page = open_and_run_all(
         browser,
         lab,
-        "09_tensor_parallel.ipynb",
+        "12_tensor_parallel.ipynb",
         only=(
             "env = labkit.env_probe()",
             "panel = layout_panel()",
@@ -707,7 +707,7 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     status = wait_status(page, r"done: run 2, dp_tp", 120)
     assert "2 run(s) in the table, one row each" in status, status
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-09-after-run.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-12-after-run.png"), full_page=True)
     assert "dp1 tp2 pp1" in shown and "dp2 tp2 pp1" in shown, shown[:800]
 
     # tensor and pipeline together is not a strategy: said before anything runs, Run disabled
@@ -736,7 +736,7 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     deadline = time.time() + 20
     while panel_status(page) == before and time.time() < deadline:
         time.sleep(0.2)
-    page.screenshot(path=str(OUT / "browser-09-advisor.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-12-advisor.png"), full_page=True)
     assert panel_status(page) != before and "best: tp" in panel_status(page)
     assert not kernel_ranks(lab)
     page.close()

@@ -205,8 +205,8 @@ def test_each_term_first_appears_where_the_glossary_says(row):
 
 
 def test_the_first_use_check_finds_a_planted_error():
-    assert first_use_error("bubble", "[02](02_model_parallel.ipynb)") is None
-    assert "before 03" in first_use_error("all-reduce", "[03](03_communication.ipynb)")
+    assert first_use_error("bubble", "[03](03_model_parallel.ipynb)") is None
+    assert "before 06" in first_use_error("all-reduce", "[06](06_communication.ipynb)")
     assert "does not appear" in first_use_error("GPipe", "[01](01_data_parallel.ipynb)")
     assert "in none" in first_use_error("bubble", "—")
     assert first_use_error("no such term anywhere", "—") is None

@@ -107,7 +107,7 @@ def _joined_grads(ctx, join_kwargs):
 
 
 def test_ddp_join_divides_by_the_initial_world_size_unless_told_otherwise():
-    """What notebook 04 and ``uneven_inputs`` say: once rank 0 has joined, rank 1's gradient is
+    """What notebook 07 and ``uneven_inputs`` say: once rank 0 has joined, rank 1's gradient is
     its own over 2 (the world it started with), or over 1 with the flag off."""
     assert labkit.launch(_joined_grads, 2, args=({},), device="cpu")[1] == [1.0, 0.5]
     off = {"divide_by_initial_world_size": False}

@@ -32,7 +32,7 @@ def test_bf16_and_fp16_track_fp32(no_leftover_ranks):
     ref = runs["fp32"].set_index("step")["loss"]
     for p, rec in runs.items():
         # bf16 keeps 8 bits of mantissa: a relative rounding of 2^-8 = 0.4 % per operation;
-        # training then amplifies the difference step by step (notebook 05 explains the 3 %)
+        # training then amplifies the difference step by step (notebook 08 explains the 3 %)
         assert (rec.set_index("step")["loss"] - ref).abs().max() < 0.03 * ref.abs().max(), p
     assert (runs["bf16"]["mem_activations_bytes"] < runs["fp32"]["mem_activations_bytes"]).all()
     assert (runs["bf16"]["mem_params_bytes"] == runs["fp32"]["mem_params_bytes"]).all()

@@ -1,4 +1,4 @@
-"""The cluster-scheduling lab (notebook 08): jobs with throughput curves, traces, policies, an
+"""The cluster-scheduling lab (notebook 11): jobs with throughput curves, traces, policies, an
 event-driven simulator, and a real replay on this machine's cores to check it against.
 
     from labkit.labs.sched import traces, sim
