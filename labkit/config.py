@@ -21,6 +21,7 @@ PIPELINE_IMPLS = ("scratch", "torch")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 REBALANCE = ("static", "dynamic", "join")
 PRECISIONS = ("fp32", "bf16", "fp16")
+CP_LAYOUTS = ("contiguous", "zigzag")
 
 
 def knob(default, help: str, choices: tuple | None = None):
@@ -68,6 +69,13 @@ class RunConfig:
                                    "on the sequence (reduce-scatter + all-gather)")  # fmt: skip
     shard_size: int | None = knob(None, "hsdp: ranks sharing one copy of the model (default: "
                                   "half of them); world_size / shard_size copies")  # fmt: skip
+
+    # ---- context parallelism (notebook 14)
+    cp: int | None = knob(None, "context-parallel degree, ranks that split the sequence (default: "
+                          "all of them; dp_cp: world_size / cp replicas of cp ranks)")  # fmt: skip
+    cp_layout: str = knob("zigzag", "cp: contiguous (N slices of the sequence) or zigzag (2N "
+                          "chunks, rank r holds r and 2N-1-r: even causal work)",
+                          CP_LAYOUTS)  # fmt: skip
 
     # ---- communication (notebook 06); accumulation is a knob of the shared loop
     bucket_cap_mb: float | None = knob(None, "DDP bucket size in MB (default: DDP's 25 MB, "
@@ -181,6 +189,7 @@ class RunConfig:
         self._check_checkpoint_dir()
         self._check_tensor_parallel()
         self._check_hybrid_shard()
+        self._check_context_parallel()
         self._check_strategy()
         self._check_experts()
         if self.dataset_size < self.global_batch:
@@ -478,6 +487,56 @@ class RunConfig:
         """Token groups in one rank's batch (``labkit.moe.MoESpec.groups``)."""
         return max(1, self.token_groups // self.data_ranks)
 
+    def _check_context_parallel(self) -> None:
+        """Context parallelism (``labkit.strategies.cp``): the transformer's sequence cut into
+        equal chunks over the cp ranks (whole heads per rank for the all-to-all)."""
+        s = registry.get(self.strategy)
+        if self.cp is not None or self.cp_layout != "zigzag":
+            if "cp" not in s.knobs:
+                self._refuse("cp", "cp and cp_layout split the sequence over ranks", "drop them")
+        if "cp" not in s.knobs:
+            return
+        if self.cp is not None and self.cp < 1:
+            raise ValueError(f"cp must be at least 1 or None, got {self.cp}")
+        if self.model != "transformer":
+            raise ValueError(
+                f"{self.strategy} splits a transformer's sequence over ranks: set "
+                f"model='transformer' (got model={self.model!r})"
+            )
+        if s.kind == "context_parallel" and self.cp not in (None, self.world_size):
+            raise ValueError(
+                f"cp={self.cp} with world_size {self.world_size}: {self.strategy} splits the "
+                f"sequence over all its ranks, set cp=None or cp == world_size (dp_cp runs "
+                f"several context-parallel groups)"
+            )
+        n = self.context_parallel
+        if self.world_size % n:
+            raise ValueError(
+                f"cp={n} does not divide world size {self.world_size}: {self.strategy} runs "
+                f"world_size / cp replicas of a cp-rank ring, set cp to a divisor of "
+                f"{self.world_size}"
+            )
+        pieces = n * (2 if self.cp_layout == "zigzag" else 1)
+        if self.seq_len % pieces:
+            raise ValueError(
+                f"seq_len {self.seq_len} does not cut into {pieces} equal chunks ({self.cp_layout} "
+                f"placement over {n} ranks): pick a seq_len that is a multiple of {pieces}"
+                + (" (or cp_layout='contiguous')" if self.seq_len % n == 0 else "")
+            )
+        if s.heads_split and self.heads % n:
+            raise ValueError(
+                f"{self.heads} heads do not split over {n} ranks: {self.strategy}'s all-to-all "
+                f"gives each rank whole heads, pick heads that are a multiple of {n}"
+            )
+
+    @property
+    def context_parallel(self) -> int:
+        """The context-parallel degree this run uses (1 for strategies that do not split the
+        sequence)."""
+        if "cp" not in registry.get(self.strategy).knobs:
+            return 1
+        return self.cp or self.world_size
+
     @property
     def shard_group(self) -> int:
         """hsdp: the ranks one copy of the model is sharded over (``shard_size``, by default
@@ -531,10 +590,11 @@ class RunConfig:
     @property
     def data_ranks(self) -> int:
         """Ranks (or groups of ranks) that each train on their own slice of the data: every
-        rank, except async_ps's parameter server (rank 0); one per tensor-parallel group."""
+        rank, except async_ps's parameter server (rank 0); one per tensor- or context-parallel
+        group."""
         if registry.get(self.strategy).server:
             return max(1, self.ranks - 1)
-        return self.ranks // self.tensor_parallel
+        return self.ranks // (self.tensor_parallel * self.context_parallel)
 
     @property
     def balancing(self) -> bool:

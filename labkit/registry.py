@@ -11,6 +11,8 @@ Kinds:
   the global batch, gradients synchronised every step;
 * ``pipeline``: the model cut into stages, one per rank, micro-batches flowing through them;
 * ``tensor_parallel``: every layer split across ranks, which all see the same batch;
+* ``context_parallel``: the sequence split across ranks, which all see the same batch and hold
+  the whole model; attention passes keys and values between them (a ring, or all-to-all);
 * ``composed``: two of the above on a 2-D device mesh (data x pipeline, data x tensor);
 * ``periodic``: ranks train alone for H steps, then average (local SGD, DiLoCo);
 * ``asynchronous``: no step-wide synchronisation at all (a parameter server, Hogwild);
@@ -27,6 +29,7 @@ KINDS = (
     "data_parallel",
     "pipeline",
     "tensor_parallel",
+    "context_parallel",
     "composed",
     "periodic",
     "asynchronous",
@@ -45,6 +48,7 @@ STRAGGLER = frozenset({"slowdown"})
 BALANCING = frozenset({"slowdown", "skew", "rebalance", "rebalance_every"})
 PIPELINE = frozenset({"stages", "microbatches", "pipeline_impl", "balance_stages"})
 TENSOR = frozenset({"tp", "sequence_parallel"})
+CONTEXT = frozenset({"cp", "cp_layout"})  # the sequence split (labkit.strategies.cp)
 # a mixture of experts in the transformer (labkit.moe): what trains it the same everywhere
 MOE = frozenset({"experts", "top_k", "capacity_factor", "aux_loss", "router_skew", "expert_groups"})
 
@@ -67,6 +71,7 @@ class Strategy:
     server: bool = False  # rank 0 serves the parameters, the other ranks train
     shared_memory: bool = False  # every rank updates one model in host memory (CPU only)
     dtensor: bool = False  # its layers are DTensors placed by torch's parallelize_module
+    heads_split: bool = False  # context parallel by all-to-all: each rank attends with whole heads
     float32_only: str = ""  # why its algorithm needs float32 tensors (check cannot use float64)
     colour: str = "#9e9e9e"  # in every chart that compares strategies
     summary: str = ""
@@ -140,6 +145,13 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dp_pp", "dp_pp", "composed", knobs=PIPELINE - {"pipeline_impl"},
                  schedule="1f1b", colour="#17becf",
                  summary="data x pipeline: dp copies of a 1F1B pipeline on a 2-D mesh"),
+        Strategy("cp", "cp", "context_parallel", knobs=CONTEXT, colour="#c5b0d5",
+                 summary="context parallelism: the sequence split, ring attention by hand"),
+        Strategy("cp_ulysses", "cp_ulysses", "context_parallel", knobs=CONTEXT,
+                 heads_split=True, colour="#c49c94",
+                 summary="context parallelism by all-to-all over heads (DeepSpeed-Ulysses)"),
+        Strategy("dp_cp", "dp_cp", "composed", knobs=CONTEXT, colour="#bcbd22",
+                 summary="data x context: dp replicas of a cp ring, 2-D mesh"),
         Strategy("local_sgd", "local_sgd", "periodic", knobs=LOOP | STRAGGLER | {"period"},
                  colour="#eeca3b", summary="local SGD: H steps alone, then average parameters"),
         Strategy("diloco", "diloco", "periodic",

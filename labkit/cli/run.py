@@ -178,6 +178,8 @@ def cmd_check(args) -> int:
     first = next((s for s in names if s != registry.REFERENCE), registry.REFERENCE)
     if args.tp is not None or args.sequence_parallel:
         first = next((s for s in names if "tp" in registry.get(s).knobs), first)
+    if args.cp is not None or args.cp_layout != RunConfig.__dataclass_fields__["cp_layout"].default:
+        first = next((s for s in names if "cp" in registry.get(s).knobs), first)
     base = config_from_args(
         args, strategy=first, world_size=world_size_for(first, args.world_size, args.stages)
     )

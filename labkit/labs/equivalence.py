@@ -324,11 +324,19 @@ def reference_config(cfg: RunConfig) -> RunConfig:
         tp=None,
         sequence_parallel=False,
         shard_size=None,
+        **_NO_CONTEXT_SPLIT,
         sync_every_microstep=False,
         slowdown=(),
         skew=0.0,
         rebalance="static",
     )
+
+
+# no sequence split: the cp knobs at their defaults (a strategy that does not split the sequence)
+_NO_CONTEXT_SPLIT = {
+    "cp": None,
+    "cp_layout": RunConfig.__dataclass_fields__["cp_layout"].default,
+}
 
 
 def config_for(cfg: RunConfig, name: str, world_size: int) -> RunConfig:
@@ -339,6 +347,8 @@ def config_for(cfg: RunConfig, name: str, world_size: int) -> RunConfig:
     layout = {} if "tp" in knobs else dict(tp=None, sequence_parallel=False)
     if "shard_size" not in knobs:
         layout["shard_size"] = None
+    if "cp" not in knobs:  # the context-parallel degree and placement, of the cp strategies
+        layout.update(_NO_CONTEXT_SPLIT)
     return cfg.replace(
         strategy=name, world_size=world_size_for(name, world_size, cfg.stages), **layout
     )
