@@ -80,7 +80,8 @@ class Routing:
     """Where a batch of grouped tokens goes. Kept assignments, in (group, choice, token) order:
     ``expert``, ``token`` (row of the grouped tokens) and ``gate`` (its weight). Per expert,
     over every group: ``routed`` (assignments it was chosen for) and ``dropped`` (of those, over
-    its capacity). ``aux``: Switch's balancing loss, the mean over groups."""
+    its capacity). ``aux``: Switch's balancing loss, the mean over groups; ``chosen``: every
+    token's k experts, best first (groups, tokens, k)."""
 
     expert: torch.Tensor
     token: torch.Tensor
@@ -89,6 +90,7 @@ class Routing:
     dropped: torch.Tensor
     capacity: int
     aux: torch.Tensor
+    chosen: torch.Tensor
 
 
 def route(logits: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
@@ -117,6 +119,7 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
         dropped=torch.bincount(choice[~keep], minlength=e),
         capacity=cap,
         aux=aux,
+        chosen=top_e,
     )
 
 

@@ -200,3 +200,37 @@ def test_a_different_grouping_drops_different_tokens():
     one = route(logits, 1, 1.0)  # capacity 4 of 16 tokens, or 2 of each 8
     two = route(logits.view(2, 8, 4), 1, 1.0)
     assert set(one.token.tolist()) != set(two.token.tolist())
+
+
+# ---- the lesson's picture of one dispatch, and the figures -----------------------------------
+
+
+def test_the_drawn_dispatch_is_what_the_all_to_all_delivered():
+    from labkit.labs import experts as ex
+    from labkit.plots import experts as px
+
+    d = ex.dispatch(2, 4, 8, top_k=2, capacity_factor=0.75, router_skew=1.0)
+    kept = d.trips[d.trips["kept"]]
+    assert len(d.trips) == 2 * 8 * 2 and 0 < len(kept) < len(d.trips)  # some dropped
+    sent = sorted(zip(kept["rank"], kept["token"], kept["expert"]))
+    got = sorted(zip(d.arrived["rank"], d.arrived["token"], d.arrived["expert"]))
+    assert sent == got  # every kept assignment computed once, by its expert; no dropped one
+    assert (d.arrived["owner"] == d.arrived["expert"] // 2).all()
+    per_group = kept.groupby(["rank", "expert"]).size()
+    assert per_group.max() <= d.capacity == math.ceil(0.75 * 8 * 2 / 4)
+    for fig in (px.dispatch(d), px.capacity(d)):
+        assert fig.data
+
+
+def test_a_list_all_to_all_counts_exactly_the_pieces_that_leave():
+    from types import SimpleNamespace
+
+    from labkit import wire
+
+    if not wire.COUNTING:
+        pytest.skip(wire.WHY_NOT)
+    pieces = [torch.zeros(3), torch.zeros(5), torch.zeros(1)]  # rank 1 keeps its 5
+    args = SimpleNamespace(name=wire.HookOpName.ALLTOALL, input_tensors=pieces, root=0)
+    assert wire.sent(args, 9 * 4, 3, 1) == 4 * 4
+    one = SimpleNamespace(name=wire.HookOpName.ALLTOALL, input_tensors=[torch.zeros(9)], root=0)
+    assert wire.sent(one, 9 * 4, 3, 1) == 9 * 4 * 2 / 3  # one tensor: equal splits assumed

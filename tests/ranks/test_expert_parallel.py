@@ -1,0 +1,63 @@
+"""Expert parallelism on real ranks: training equal to single-device training of the same mixture
+of experts, the capacity dropping the very same tokens, and the all-to-alls' bytes counted on
+the process group against the router's counts and the formula.
+
+The dispatch alone, on thread ranks: tests/unit/test_moe.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import RunConfig
+from labkit.labs import equivalence
+from labkit.labs import experts as ex
+
+# 2 blocks of 4 experts, a skewed router and a tight capacity: every step drops tokens
+MOE = RunConfig(
+    strategy="ep",
+    world_size=2,
+    model="transformer",
+    experts=4,
+    width=32,
+    depth=2,
+    seq_len=8,
+    global_batch=16,
+    dataset_size=256,
+    steps=4,
+    warmup=0,
+    capacity_factor=1.0,
+    router_skew=1.0,
+    timeout_s=120,
+)
+
+
+@pytest.mark.parametrize("world_size, top_k", [(2, 1), (4, 2)])
+def test_ep_trains_as_single_does(world_size, top_k):
+    """4 ranks on this 2-core machine are oversubscribed: slower, the same computation."""
+    table = equivalence.check(MOE.replace(top_k=top_k), ["ep"], world_size=world_size, steps=4)
+    assert table["ok"].all(), table.to_string()
+    assert (table["compared_in"] == "float32").all(), table.to_string()
+
+
+def test_the_capacity_drops_the_same_tokens_and_the_bytes_are_the_routers():
+    out = ex.versus_single(MOE)
+    assert out["max_abs_diff"] <= 1e-5
+    drops = out["drops"]
+    assert drops["same"].all(), drops[~drops["same"]].to_string()
+    assert drops["dropped_single"].sum() > 0  # the skew overflows an expert every step
+    b = ex.all_to_all_bytes(out["parallel"], MOE)
+    assert (b["all_to_alls"] == 5 * MOE.depth).all()  # per block: counts, 2 forward, 2 backward
+    # what the ranks handed the all-to-alls (labkit.wire) is exactly what the routers kept
+    assert (b["counted_payload_bytes"] == b["router_payload_bytes"]).all(), b.to_string()
+    # summed over ranks, the formula tokens x hidden x (N-1)/N per all-to-all, less exactly the
+    # dropped assignments (never sent), four all-to-alls each
+    per_step = b.groupby("step")[["counted_sent_bytes", "formula_bytes"]].sum()
+    dropped = drops.groupby("step")["dropped_parallel"].sum()
+    short = 4 * dropped * MOE.width * 4 * (MOE.world_size - 1) / MOE.world_size
+    assert (per_step["formula_bytes"] - per_step["counted_sent_bytes"] - short).abs().max() < 1e-6
+
+
+def test_ep_without_experts_runs_as_data_parallelism_and_says_so():
+    res = ex.experiment.run(MOE.replace(experts=0, capacity_factor=1.25, router_skew=0.0))
+    assert any("ran as data parallelism" in n for n in res.notes), res.notes
+    assert "expert_routed" not in res.records
