@@ -547,3 +547,203 @@ def compare_sc21(device: str = "A100 80GB", mfu: float = MFU, **knobs):
     df = pd.DataFrame(rows)
     df.attrs["source"] = SC21_SOURCE
     return df
+
+
+# ---- a mixture of experts: the expert-parallel degree, and the all-to-all it costs ------------
+#
+# An MoE transformer (``memory.moe_parameters``) laid out with expert parallelism: ep GPUs share
+# out each layer's experts, dp = gpus GPUs each train their shard of the batch (ep divides dp;
+# no tensor or pipeline split here). Per MoE layer and micro-batch every GPU sends its tokens'
+# rows to the experts' GPUs and gets the outputs back (GShard, Lepikhin et al. 2020,
+# arXiv:2006.16668): two all-to-alls forward and their two gradients backward (and the forward
+# pair again under full recomputation), each of b*s*k*cf rows of h 16-bit values per GPU.
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """An MoE transformer by its shape (``memory.moe_parameters``), and where it is published."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    experts: int
+    top_k: int
+    vocab: int
+    source: str = ""
+
+    def parameters(self) -> dict:
+        return memory.moe_parameters(
+            layers=self.layers,
+            hidden=self.hidden,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            ffn_hidden=self.ffn_hidden,
+            experts=self.experts,
+            top_k=self.top_k,
+            vocab=self.vocab,
+        )
+
+
+MIXTRAL_8X7B = MoEShape(
+    "Mixtral 8x7B", 32, 4096, 32, 8, 14336, 8, 2, 32000,
+    "Jiang et al. 2024, 'Mixtral of Experts' (arXiv:2401.04088), Table 1: dim 4096, 32 layers, "
+    "32 heads, 8 kv heads, hidden_dim 14336, vocab 32000, 8 experts, top 2; 46.7B parameters in "
+    "all, 12.9B active per token (Mistral AI's announcement, December 2023)",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """One expert-parallel layout of an MoE model: bytes per GPU and the predicted step, its
+    terms apart (``a2a_s``: the all-to-alls; ``a2a_bytes``: what one GPU hands them per step)."""
+
+    ep: int
+    dp: int
+    zero: int
+    microbatch: int
+    microbatches: int
+    mem_per_gpu_bytes: float
+    device_memory_bytes: float
+    fits: bool
+    step_s: float
+    tokens_per_s: float
+    compute_s: float
+    a2a_s: float
+    dp_comm_s: float
+    a2a_bytes: float
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def all_to_all_s(link: AlphaBeta, bytes_per_rank: float, n: int) -> float:
+    """One all-to-all in which each of ``n`` ranks hands in ``bytes_per_rank`` and keeps 1/n of
+    it: n-1 messages of S/n, ``(n-1) alpha + (n-1)/n S / beta`` (a pairwise exchange)."""
+    return link.time("all_to_all", bytes_per_rank, n)
+
+
+def moe_evaluate(
+    shape: MoEShape,
+    *,
+    gpus: int,
+    ep: int,
+    seq: int,
+    global_batch: int,
+    microbatch: int,
+    zero: int = 0,
+    capacity_factor: float = 1.0,
+    gpus_per_node: int = 8,
+    gpu: GPU | str = "H100 SXM 80GB",
+    mfu: float = MFU,
+    reserve: float = RESERVE,
+    optimizer: str = "adam",
+) -> MoELayout:
+    """Memory per GPU and the step of ``shape`` on ``gpus`` data-parallel GPUs, ``ep`` of them
+    sharing out the experts, full activation recomputation:
+
+    * memory: ``memory.moe_states`` (dense states over dp, experts / ep over dp / ep) and the
+      activations of ``memory.stack_activations`` for the layers' shape (each layer's 2sbh
+      input, one layer rebuilt; the rebuilt layer counted as a dense one of the same h);
+    * compute: 8 x active parameters x tokens (forward, backward, the forward again) over
+      ``gpus * peak * mfu``; the attention's s^2 FLOPs are left out;
+    * all-to-alls: 6 per layer and micro-batch of b*s*k*cf*h*2 bytes per GPU over the ep GPUs
+      (``all_to_all_s``), on NVLink when ep fits in a node, else the GPU's InfiniBand port;
+    * data parallel: the dense gradients (2 bytes each) over dp, the experts' over the dp / ep
+      GPUs that hold the same ones (``_dp_comm``'s ZeRO rules), not overlapped."""
+    gpu = _device(gpu) if isinstance(gpu, str) else gpu
+    dp = gpus
+    if dp % ep or shape.experts % ep or global_batch % (dp * microbatch):
+        raise ValueError(
+            f"ep {ep} must divide the {gpus} GPUs and the {shape.experts} experts, and dp x "
+            f"micro-batch ({dp} x {microbatch}) the global batch {global_batch}"
+        )
+    p = shape.parameters()
+    m = global_batch // (dp * microbatch)
+    states = memory.moe_states(
+        p["dense"], p["experts"], ep=ep, dp=dp, zero=zero, optimizer=optimizer
+    )
+    acts = memory.stack_activations(
+        layers=shape.layers, seq=seq, micro_batch=microbatch, hidden=shape.hidden,
+        heads=shape.heads, recompute="full",
+    )  # fmt: skip
+    tokens = global_batch * seq
+    compute = 8 * p["active"] * tokens / (gpus * gpu.peak_flops * mfu)
+    nvlink, ib = LINKS[gpu.nvlink], LINKS[gpu.network]
+    rows = microbatch * seq * shape.top_k * capacity_factor
+    per_a2a = 2 * rows * shape.hidden  # 16-bit
+    link = nvlink if ep <= gpus_per_node else ib
+    a2a = 6 * shape.layers * m * all_to_all_s(link, per_a2a, ep)
+    dp_link = _dp_link(1, dp, gpus_per_node, nvlink, ib)
+    dp_comm = _dp_comm(2 * p["dense"], dp, zero, m, dp_link)
+    if dp // ep > 1:
+        dp_comm += _dp_comm(2 * p["experts"] / ep, dp // ep, zero, m, dp_link)
+    step = compute + a2a + dp_comm
+    mem = states["total"] + acts
+    usable = gpu.memory_bytes * (1 - reserve)
+    return MoELayout(
+        ep=ep,
+        dp=dp,
+        zero=zero,
+        microbatch=microbatch,
+        microbatches=m,
+        mem_per_gpu_bytes=mem,
+        device_memory_bytes=usable,
+        fits=mem <= usable,
+        step_s=step,
+        tokens_per_s=tokens / step,
+        compute_s=compute,
+        a2a_s=a2a,
+        dp_comm_s=dp_comm,
+        a2a_bytes=6 * shape.layers * m * per_a2a,
+        params_bytes=states["params"],
+        grads_bytes=states["grads"],
+        optimizer_bytes=states["optimizer"],
+        activations_bytes=acts,
+    )
+
+
+def moe_plan(
+    shape: MoEShape,
+    *,
+    gpus: int,
+    seq: int,
+    global_batch: int,
+    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    microbatches: Sequence[int] = MICROBATCHES,
+    **knobs,
+) -> list[MoELayout]:
+    """Every expert-parallel degree (the divisors of ``gpus`` that divide the experts), ZeRO
+    stage and micro-batch of ``moe_evaluate``, best first as ``plan`` ranks them: the fastest
+    that fits, then the rest, smallest first."""
+    out = [
+        moe_evaluate(
+            shape, gpus=gpus, ep=ep, seq=seq, global_batch=global_batch, microbatch=mb,
+            zero=z, **knobs,
+        )
+        for ep in _divisors(gpus)
+        if shape.experts % ep == 0
+        for mb in microbatches
+        if global_batch % (gpus * mb) == 0
+        for z in zero_stages
+        if gpus > 1 or z == 0
+    ]  # fmt: skip
+    if not out:
+        raise ValueError(
+            f"no micro-batch of {', '.join(map(str, microbatches))} splits a global batch of "
+            f"{global_batch} over {gpus} GPUs: choose a multiple of {gpus}"
+        )
+    return sorted(out, key=_moe_rank)
+
+
+def _moe_rank(lay: MoELayout) -> tuple:
+    order = (lay.ep, lay.zero, lay.microbatch)
+    if lay.fits:
+        return (0, -lay.tokens_per_s, lay.mem_per_gpu_bytes, order)
+    return (1, lay.mem_per_gpu_bytes, -lay.tokens_per_s, order)

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .. import registry
+from ..moe import moe_layers
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "rest")
 OPTIMIZERS = {"sgd": 0, "sgd_momentum": 4, "adam": 8}  # fp32 state bytes per parameter
@@ -648,3 +649,103 @@ def _check_shape(*, layers: int, hidden: int, heads: int, tp: int, pp: int) -> N
         raise ValueError(
             f"pp {pp} does not divide the {layers} layers: choose pp among the divisors of layers"
         )
+
+
+# ---- a mixture of experts: parameters, and their states under expert parallelism --------------
+#
+# A mixture-of-experts layer (Shazeer et al. 2017, arXiv:1701.06538) replaces the MLP with a
+# router and E expert MLPs, of which each token runs k: the parameters grow with E, the compute
+# per token with k. Expert parallelism (GShard, Lepikhin et al. 2020, arXiv:2006.16668) puts
+# E/ep experts on each of ep GPUs; everything else stays data parallel.
+
+
+def moe_parameters(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    ffn_hidden: int,
+    experts: int,
+    top_k: int,
+    vocab: int,
+    kv_heads: int | None = None,
+    gated: bool = True,
+    tied: bool = False,
+    seq: int = 0,
+) -> dict:
+    """Parameters of a decoder-only MoE transformer in Mixtral's form (Jiang et al. 2024,
+    arXiv:2401.04088): no biases; per layer attention with ``kv_heads`` key/value heads
+    (grouped-query: q and the output projection h x h, k and v h x kv_heads*h/heads each), a
+    router (h x E), E experts of ``3 * h * ffn_hidden`` (SwiGLU; 2 with ``gated=False``) and
+    two norms (h each); a word embedding and, unless ``tied``, an output layer (V x h each),
+    ``seq`` x h learned positions (0: rotary), a final norm.
+
+    Returns ``total``; ``active``, what one token runs (k experts per layer, the rest whole);
+    ``experts``, all layers' experts; ``dense``, everything else; ``per_expert``, one expert.
+    Mixtral 8x7B (h 4096, 32 layers, 32 heads, 8 kv heads, ffn 14336, E 8, k 2, V 32000): 46.70e9
+    total, 12.88e9 active, as published (46.7B and 12.9B)."""
+    _check_whole(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden)
+    _check_whole(experts=experts, top_k=top_k, vocab=vocab, kv_heads=kv_heads or heads)
+    if top_k > experts or hidden % heads or heads % (kv_heads or heads):
+        raise ValueError(
+            f"need top_k <= experts ({top_k} > {experts}?), heads dividing hidden and kv_heads "
+            f"dividing heads: got hidden {hidden}, heads {heads}, kv_heads {kv_heads}"
+        )
+    kv = (kv_heads or heads) * (hidden // heads)
+    per_expert = (3 if gated else 2) * hidden * ffn_hidden
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + hidden * experts + 2 * hidden
+    dense = layers * per_layer + vocab * hidden * (1 if tied else 2) + seq * hidden + hidden
+    all_experts = layers * experts * per_expert
+    return {
+        "total": dense + all_experts,
+        "active": dense + layers * top_k * per_expert,
+        "experts": all_experts,
+        "dense": dense,
+        "per_expert": per_expert,
+    }
+
+
+def moe_states(
+    dense: float,
+    experts: float,
+    *,
+    ep: int = 1,
+    dp: int = 1,
+    zero: int = 0,
+    optimizer: str = "adam",
+    recipe: str = "paper",
+) -> dict:
+    """Bytes per GPU of the model states of an MoE model with ``dense`` non-expert and
+    ``experts`` expert parameters on ``dp`` data-parallel GPUs, ``ep`` of which share out each
+    layer's experts (ep divides dp, as in Megatron-Core and DeepSpeed-MoE):
+
+    * the dense parameters are replicated on every GPU: ``model_states`` over dp (ZeRO shards
+      their states over all dp GPUs);
+    * each GPU holds experts / ep expert parameters, their gradients and optimizer state, and
+      dp / ep GPUs hold the same experts: ZeRO shards the experts' states over those.
+
+    ``ep=1`` is plain data parallelism of the whole model; labkit's ``ep`` strategy is ep = dp
+    = N with no ZeRO: (dense + experts / N) x (4 + 4 + K) bytes in fp32."""
+    _check_layout_knobs(dp=dp, zero=zero, tp=1, pp=1, optimizer=optimizer, recipe=recipe)
+    _check_whole(ep=ep)
+    if dp % ep:
+        raise ValueError(
+            f"ep {ep} does not divide dp {dp}: expert parallelism spreads the experts over ep of "
+            f"the data-parallel GPUs, so choose ep among the divisors of {dp}"
+        )
+    if not dense >= 0 or not experts >= 0:
+        raise ValueError(f"parameter counts must be >= 0, got {dense!r} and {experts!r}")
+    k = _k(optimizer)
+    d, e = _states(dense, dp, zero, k, recipe), _states(experts / ep, dp // ep, zero, k, recipe)
+    out = {c: d[c] + e[c] for c in STATE_CATEGORIES}
+    out["total"] = sum(out.values())
+    return out
+
+
+def moe_split(model: nn.Module) -> tuple[int, int]:
+    """(non-expert, expert) parameters of a model built of ``labkit.moe.MoE`` blocks (or any
+    model: (all, 0)): what ``moe_states`` and the ep strategy divide differently."""
+    expert = {id(p) for m in moe_layers(model) for p in m.experts.parameters()}
+    params = list(model.parameters())
+    n_expert = sum(p.numel() for p in params if id(p) in expert)
+    return sum(p.numel() for p in params) - n_expert, n_expert

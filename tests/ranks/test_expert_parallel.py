@@ -11,6 +11,8 @@ import pytest
 from labkit import RunConfig
 from labkit.labs import equivalence
 from labkit.labs import experts as ex
+from labkit.models import make_model
+from labkit.predict.memory import moe_split
 
 # 2 blocks of 4 experts, a skewed router and a tight capacity: every step drops tokens
 MOE = RunConfig(
@@ -55,6 +57,10 @@ def test_the_capacity_drops_the_same_tokens_and_the_bytes_are_the_routers():
     dropped = drops.groupby("step")["dropped_parallel"].sum()
     short = 4 * dropped * MOE.width * 4 * (MOE.world_size - 1) / MOE.world_size
     assert (per_step["formula_bytes"] - per_step["counted_sent_bytes"] - short).abs().max() < 1e-6
+    # each rank holds the dense parameters and E/N experts: counted there, and as calculated
+    dense, experts = moe_split(make_model(MOE.replace(strategy="single", world_size=1)))
+    held = out["parallel"].groupby("rank")["mem_params_bytes"].max()
+    assert (held == 4 * (dense + experts // MOE.world_size)).all(), held
 
 
 def test_ep_without_experts_runs_as_data_parallelism_and_says_so():
