@@ -38,6 +38,7 @@ code runs between processes and between the thread ranks of ``labkit.dist.on_thr
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -168,28 +169,36 @@ def combine(out, lse, block_out, block_lse):
     )
 
 
+@functools.cache
+def _above_diagonal(c: int, device: torch.device) -> torch.Tensor:
+    """The c x c mask of the keys after each query (one per size: every layer reuses it)."""
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
+
+
 def _scores(q, k, scale: float, diagonal: bool):
-    s = q @ k.transpose(-2, -1) * scale
+    s = (q * scale) @ k.transpose(-2, -1)
     if diagonal:  # the same chunk: a query sees keys up to its own position
-        c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool).triu(1).to(s.device), float("-inf"))
+        s.masked_fill_(_above_diagonal(s.shape[-1], s.device), float("-inf"))
     return s
 
 
 def block_forward(q, k, v, scale: float, diagonal: bool):
-    """Softmax attention of queries ``q`` over one block of keys: its output and log-sum-exp."""
+    """Softmax attention of queries ``q`` over one block of keys: its output and log-sum-exp
+    (the softmax's normaliser, ``log sum_j exp(s_j)``, kept per query)."""
     s = _scores(q, k, scale, diagonal)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+    top = s.amax(dim=-1, keepdim=True)  # subtracted before exp: no overflow
+    p = s.sub_(top).exp_()  # in place: the scores are not needed again
+    total = p.sum(dim=-1, keepdim=True)
+    return (p @ v).div_(total), (top + total.log()).squeeze(-1)
 
 
 def block_backward(q, k, v, dout, lse, delta, scale: float, diagonal: bool):
     """Gradients of one block from the saved log-sum-exp (the probabilities recomputed, as
     FlashAttention's backward does): dQ's share from this block, dK and dV of this block.
     ``delta`` = rowsum(dO * O), the softmax's backward term."""
-    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
+    p = _scores(q, k, scale, diagonal).sub_(lse.unsqueeze(-1)).exp_()
     dv = p.transpose(-2, -1) @ dout
-    ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    ds = p.mul_((dout @ v.transpose(-2, -1)).sub_(delta.unsqueeze(-1)))  # dS = P * (dP - delta)
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
 
 

@@ -1,0 +1,124 @@
+"""Context parallelism without a process: ring attention and Ulysses on gloo ranks that are
+threads of the test (``labkit.dist.on_threads``) against dense attention computed in one piece
+by torch, the zig-zag schedule's per-rank work counted, and the cp knobs' validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.config import RunConfig
+from labkit.labs import long_sequences as ls
+from labkit.strategies import cp
+
+TOL = 1e-12  # float64: what rounding alone leaves
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_forward_and_backward_equal_dense_attention(n, layout, causal):
+    df = ls.on_threads(n, layout, "ring", causal=causal, seq_len=8 * n)
+    assert len(df) == n
+    assert (df[["out", "dq", "dk", "dv"]] < TOL).all().all(), df
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ulysses_forward_and_backward_equal_dense_attention(n, layout, causal):
+    df = ls.on_threads(n, layout, "ulysses", causal=causal, seq_len=8 * n, heads=4)
+    assert (df[["out", "dq", "dk", "dv"]] < TOL).all().all(), df
+
+
+def test_a_merge_without_the_log_sum_exp_weights_is_caught():
+    def average(out, lse, block_out, block_lse):  # the blocks' outputs averaged, unweighted
+        return (out + block_out) / 2, torch.maximum(lse, block_lse)
+
+    df = ls.on_threads(2, "zigzag", merge=average, seq_len=16)
+    assert (df["out"] > 1e-3).any()
+
+
+def test_zigzag_gives_every_rank_the_same_work_and_contiguous_does_not():
+    for n in (2, 3, 4, 8):
+        zig, con = ls.work(n, "zigzag"), ls.work(n, "contiguous")
+        # zig-zag: 2N-1 full tiles, 2 diagonal, 2N-1 skipped on every rank
+        assert (zig["full"] == 2 * n - 1).all() and (zig["diagonal"] == 2).all()
+        assert (zig["skipped"] == 2 * n - 1).all()
+        assert zig["flops_forward"].nunique() == 1
+        # contiguous: rank r computes r whole tiles and its diagonal: the last rank N times
+        # the first's work (in (s/2N)^2 units: 4 per s/N tile)
+        assert con["full"].tolist() == list(range(n))
+        assert con["flops_forward"].tolist() == [16.0 * (r + 1) for r in range(n)]
+        assert con["imbalance"].max() == pytest.approx(2 * n / (n + 1))
+
+
+def test_the_work_each_rank_counted_while_running_is_the_schedule_s():
+    for layout in ("contiguous", "zigzag"):
+        ran = ls.on_threads(4, layout, seq_len=32)
+        counted = ls.work(4, layout)
+        for kind in (cp.FULL, cp.DIAGONAL, cp.SKIPPED):
+            assert ran[kind].tolist() == counted[kind].tolist(), (layout, kind)
+
+
+def test_each_rank_holds_a_piece_of_every_position_once_and_someone_holds_the_last():
+    for n in (1, 2, 3, 4):
+        for layout in ("contiguous", "zigzag"):
+            held = torch.cat([cp.positions(r, n, 24, layout) for r in range(n)])
+            assert sorted(held.tolist()) == list(range(24))
+            owner = cp.last_position_owner(n, 24, layout)
+            assert int(cp.positions(owner, n, 24, layout)[-1]) == 23
+    assert cp.chunk_ids(1, 4, "zigzag") == (1, 6)
+    assert cp.last_position_owner(4, 24, "zigzag") == 0
+    assert cp.last_position_owner(4, 24, "contiguous") == 3
+
+
+def test_the_ring_visits_every_rank_once():
+    for n in (2, 3, 5):
+        for r in range(n):
+            steps = cp.schedule(r, n, "zigzag")
+            assert [s.kv_from for s in steps] == [(r - s) % n for s in range(n)]
+            assert sorted(s.kv_from for s in steps) == list(range(n))
+
+
+def test_bytes_formulas_by_hand():
+    # b=1, s=8, h=2, float32: b s h = 64 bytes
+    assert ls.bytes_formula("ring", 2, batch=1, seq_len=8, hidden=2) == {
+        "forward": 64.0,  # 2 (N-1)/N x 64
+        "backward": 128.0,
+    }
+    assert ls.bytes_formula("ulysses", 4, batch=1, seq_len=8, hidden=2) == {
+        "forward": 4 * 0.75 * 64 / 4,
+        "backward": 48.0,
+    }
+
+
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        (dict(strategy="cp", world_size=2), "model='transformer'"),
+        (dict(strategy="cp", world_size=2, model="transformer", seq_len=18), "multiple of 4"),
+        (
+            dict(strategy="cp", world_size=3, model="transformer", seq_len=9),
+            "cp_layout='contiguous'",
+        ),
+        (dict(strategy="cp", world_size=4, model="transformer", cp=2), "cp == world_size"),
+        (
+            dict(strategy="cp_ulysses", world_size=8, model="transformer", heads=4, seq_len=16),
+            "heads that are a multiple of 8",
+        ),
+        (dict(strategy="dp_cp", world_size=4, model="transformer", cp=3), "divisor of 4"),
+        (dict(strategy="ddp", cp=2), "drop them"),
+        (dict(strategy="ddp", cp_layout="contiguous"), "knob of cp"),
+    ],
+)
+def test_cp_knobs_are_refused_with_the_fix(changes, says):
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig(**changes)
+
+
+def test_a_cp_config_trains_the_whole_batch_on_every_rank_of_a_ring():
+    cfg = RunConfig(strategy="cp", world_size=4, model="transformer", global_batch=8)
+    assert cfg.context_parallel == 4 and cfg.data_ranks == 1 and cfg.batch_per_rank == 8
+    two = RunConfig(strategy="dp_cp", world_size=4, cp=2, model="transformer", global_batch=8)
+    assert two.context_parallel == 2 and two.data_ranks == 2 and two.batch_per_rank == 4
