@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from . import registry
+from . import pipeline_schedules, registry
 from .shares import parse_slowdown
 
 MODELS = ("mlp", "cnn", "unbalanced_mlp", "transformer")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("gloo", "nccl", "mpi")
-PIPELINE_IMPLS = ("scratch", "torch")
+PIPELINE_IMPLS = ("auto", "scratch", "torch")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 REBALANCE = ("static", "dynamic", "join")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -58,9 +58,12 @@ class RunConfig:
     # ---- pipelines (notebook 03)
     stages: int = knob(2, "pipeline depth P (one stage per rank)")
     microbatches: int = knob(4, "micro-batches M per step")
-    pipeline_impl: str = knob("scratch", "scratch: labkit's own schedules; torch: "
-                              "torch.distributed.pipelining", PIPELINE_IMPLS)  # fmt: skip
+    pipeline_impl: str = knob("auto", "scratch: labkit's own schedules; torch: "
+                              "torch.distributed.pipelining; auto: scratch where labkit has the "
+                              "schedule, else torch", PIPELINE_IMPLS)  # fmt: skip
     balance_stages: bool = knob(False, "cut stages by measured layer cost, not layer count")
+    virtual_stages: int | None = knob(None, "model chunks v per pipeline rank (default: "
+                                      "interleaved 2, zb 1, zbv 2, dualpipev 2)")  # fmt: skip
 
     # ---- tensor parallelism (notebook 12)
     tp: int | None = knob(None, "tensor-parallel degree, ranks that split every layer (default: "
@@ -203,6 +206,16 @@ class RunConfig:
         takers = ", ".join(registry.names(knob=knob))
         raise ValueError(f"{why}: it is a knob of {takers}, not of {self.strategy}: {unset}")
 
+    def _check_virtual_stages(self) -> None:
+        """v set on a strategy that puts one chunk on each rank."""
+        s = registry.get(self.strategy)
+        if self.virtual_stages is not None and "virtual_stages" not in s.knobs:
+            self._refuse(
+                "virtual_stages",
+                "virtual_stages puts several model chunks on each pipeline rank",
+                "set virtual_stages=None",
+            )
+
     def _check_knobs(self) -> None:
         """Knobs set on a strategy that would ignore them (``labkit.registry``)."""
         knobs = registry.get(self.strategy).knobs
@@ -261,6 +274,7 @@ class RunConfig:
             )
 
     def _check_batch(self) -> None:
+        self._check_virtual_stages()
         if self.strategy in registry.STAGED:
             if registry.get(self.strategy).kind == "pipeline" and self.world_size != self.stages:
                 raise ValueError(
@@ -284,6 +298,17 @@ class RunConfig:
                 raise ValueError(
                     f"a {self.model} of depth {self.depth} has {self.depth + 1} layers, too few "
                     f"for {self.stages} stages: raise depth or lower stages"
+                )
+            s = registry.get(self.strategy)
+            if s.kind == "pipeline":  # the schedule against P, M and v
+                pipeline_schedules.check(
+                    self.strategy,
+                    s.schedule,
+                    self.stages,
+                    1 if s.schedule == "model_parallel" else self.microbatches,
+                    self.virtual_stages,
+                    self.depth + 1,
+                    self.pipeline_impl,
                 )
         elif self.global_batch % self.data_ranks:
             workers = (

@@ -23,8 +23,8 @@ from .predict.schedule import (
     ScheduleCosts,
     bubble_per_stage,
     costs_from_steps,
+    ideal_bubble,
     predict_step,
-    theory_bubble,
 )
 from .rank.probes import TIME_COLUMNS
 from .registry import REFERENCE, STRATEGIES, SYNC_ASYNC
@@ -59,7 +59,9 @@ def finalize(records: list[dict]) -> pd.DataFrame:
     * Pipelines get ``bubble_fraction`` (measured), ``bubble_replay`` (the schedule replayed on
       this very step's measured stage costs and hand-offs: a check that the simulator
       reproduces what ran, not a prediction; ``labkit.labs.pipeline_bubble.bubble_table``
-      predicts from other runs) and ``bubble_theory`` ((P-1)/(M+P-1)).
+      predicts from other runs) and ``bubble_theory`` (the schedule's order on equal stages
+      with free hand-offs, ``labkit.predict.schedule.ideal_bubble``: (P-1)/(M+P-1) for GPipe
+      and 1F1B).
     """
     df = pd.DataFrame(records)
     if df.empty:
@@ -127,7 +129,8 @@ def _pipeline_columns(df: pd.DataFrame) -> None:
             df.at[i, "handoff_s"] = costs.handoff_s[s] if s < P - 1 else math.nan
             df.at[i, "dispatch_gap_s"] = costs.gap_s[s]
         steps.append(events)
-    df["bubble_theory"] = theory_bubble(P, M)
+    v = int(df["virtual_stages"].iloc[0]) if "virtual_stages" in df else 1
+    df["bubble_theory"] = ideal_bubble(schedule, P, M, v)
     df.attrs["notes"] = [n for n in [latency_note(costs_from_steps(steps, P), M)] if n]
 
 

@@ -47,6 +47,7 @@ STRAGGLER = frozenset({"slowdown"})
 # stragglers, data skew and shares that follow them (labkit.rank.balancer)
 BALANCING = frozenset({"slowdown", "skew", "rebalance", "rebalance_every"})
 PIPELINE = frozenset({"stages", "microbatches", "pipeline_impl", "balance_stages"})
+VIRTUAL = PIPELINE | {"virtual_stages"}  # pipelines that put several model chunks on a rank
 TENSOR = frozenset({"tp", "sequence_parallel"})
 CONTEXT = frozenset({"cp", "cp_layout"})  # the sequence split (labkit.strategies.cp)
 # a mixture of experts in the transformer (labkit.moe): what trains it the same everywhere
@@ -134,6 +135,18 @@ STRATEGIES: dict[str, Strategy] = {
                  colour="#ff9da6", summary="GPipe: all forwards, then all backwards"),
         Strategy("pipeline_1f1b", "pipeline", "pipeline", knobs=PIPELINE, schedule="1f1b",
                  colour="#9d755d", summary="1F1B: one forward, one backward, at most P in flight"),
+        # several model chunks per rank (virtual stages): labkit.pipeline_schedules
+        Strategy("pipeline_interleaved", "pipeline", "pipeline", knobs=VIRTUAL,
+                 schedule="interleaved", colour="#8c6d31",
+                 summary="interleaved 1F1B: v chunks per rank, the bubble v times smaller"),
+        Strategy("pipeline_zb", "pipeline", "pipeline", knobs=VIRTUAL, schedule="zb",
+                 colour="#e7969c",
+                 summary="zero bubble (ZB-H1 at v=1): backward split, W fills the bubble"),
+        Strategy("pipeline_zbv", "pipeline", "pipeline", knobs=VIRTUAL, schedule="zbv",
+                 colour="#ad494a", summary="ZB-V: two chunks per rank in a V, W fills the bubble"),
+        Strategy("pipeline_dualpipev", "pipeline", "pipeline", knobs=VIRTUAL,
+                 schedule="dualpipev", colour="#7b4173",
+                 summary="DualPipeV: DeepSeek's DualPipe in a V, forwards paired with backwards"),
         Strategy("tp", "tp", "tensor_parallel", knobs=LOOP | ACCUMULATE | TENSOR,
                  colour="#aec7e8",
                  summary="tensor parallelism by hand (Megatron): every layer split"),

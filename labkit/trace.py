@@ -187,9 +187,10 @@ def _pipeline(pid: int, rec: dict, origin: float) -> list[dict]:
         spans.append((t, t + dur, _phase_name(phase), phase, {}))
         t += dur
     for e in rec["events"]:
-        phase = {"F": "forward", "B": "backward"}[e["kind"]]
+        phase = "forward" if e["kind"] == "F" else "backward"  # B, or a split one's I and W
         args = {"stage": int(e["stage"]), "microbatch": int(e["microbatch"])}
-        spans.append((origin + e["start"], origin + e["end"], f"{phase} mb {e['microbatch']}",
+        what = phase if e["kind"] in "FB" else f"backward {e['kind']}"
+        spans.append((origin + e["start"], origin + e["end"], f"{what} mb {e['microbatch']}",
                       phase, args))  # fmt: skip
     for c in rec.get("comm_events") or []:
         args = {} if c.get("microbatch") is None else {"microbatch": int(c["microbatch"])}

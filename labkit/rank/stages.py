@@ -13,8 +13,9 @@ rank's events of a step on one origin and computes the bubble, measured and pred
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from ..data import batches, shard_loader
 from ..dist import RankContext, clock_offset
 from ..factories import Factories
 from ..models import even_bounds, partition, split, stage_state_names
+from ..pipeline_schedules import chunks_per_rank, rank_chunks
 from .layer_timing import layer_costs
 from .loop import build_model, final_state, seed_rank_streams
 from .probes import buffers_kept
@@ -34,60 +36,87 @@ from .watch import Watch
 
 @dataclass
 class Stage:
-    """This rank's slice of the model and where it sits in the pipeline."""
+    """This rank's slice of the model and where it sits in the pipeline: one chunk of the
+    model (a stage), or v chunks (virtual stages) where the schedule interleaves them."""
 
     index: int
     stages: int
-    bounds: list[int]
-    module: nn.Sequential
+    bounds: list[int]  # where each chunk of the model starts (P·v of them)
+    module: nn.Module  # the stage (v = 1), else an nn.ModuleList of this rank's chunks
     names: dict[str, str]  # local parameter/buffer name -> whole-model name
-    inp: torch.Tensor  # meta tensors: one micro-batch's input and output,
+    inp: torch.Tensor  # meta tensors: one micro-batch's input and output of the first chunk,
     out: torch.Tensor  # the shapes and dtypes every recv allocates
     dataset: torch.utils.data.Dataset  # built once (data_fn is called once per rank per run)
+    schedule: str = "1f1b"
+    chunks: dict[int, nn.Sequential] = field(default_factory=dict)  # model chunk -> its layers
+    shapes: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def virtual(self) -> int:
+        """v: the model chunks this rank holds."""
+        return len(self.chunks) or 1
+
+    @property
+    def total(self) -> int:
+        """P·v: the model chunks in the whole pipeline."""
+        return len(self.bounds)
 
     @property
     def first(self) -> bool:
-        return self.index == 0
+        """Holds the model's first chunk (it reads the data)."""
+        return 0 in self.chunks if self.chunks else self.index == 0
 
     @property
     def last(self) -> bool:
-        return self.index == self.stages - 1
+        """Holds the model's last chunk (it computes the loss; under a V schedule rank 0)."""
+        return self.total - 1 in self.chunks if self.chunks else self.index == self.stages - 1
 
 
-def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories) -> Stage:
+def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories, schedule: str = "1f1b") -> Stage:
     """Build the whole model (seeded), agree on the cut, keep this rank's stage on ctx.device:
     stage ``rank % stages`` (ranks ``r * stages .. r * stages + stages - 1`` form replica r's
-    pipeline when data parallelism runs several, ``dp_pp``)."""
+    pipeline when data parallelism runs several, ``dp_pp``). A schedule with v chunks per
+    rank (``labkit.pipeline_schedules``) cuts the model into P·v chunks and keeps the ones
+    its placement gives this rank."""
     model = build_model(cfg, ctx, fns)
     dataset = fns.dataset(cfg)
     # one micro-batch of real samples: the shapes every boundary sees
     x, _ = default_collate([dataset[i] for i in range(cfg.batch_per_rank)])
     x = x.to(ctx.device)
+    v = chunks_per_rank(schedule, cfg.virtual_stages)
     with buffers_kept(model):  # probing shapes and costs must not train BatchNorm
-        bounds = stage_bounds(cfg, ctx, model, x)
+        bounds = stage_bounds(cfg, ctx, model, x, cfg.stages * v)
         shapes = boundary_shapes(model, x)
     s, ends = ctx.rank % cfg.stages, bounds[1:] + [len(model)]
-    module = split(model, bounds)[s]
+    parts = split(model, bounds)
+    mine = rank_chunks(schedule, cfg.stages, v, s)
+    chunks = {c: parts[c] for c in mine}
+    io = {c: (shapes[bounds[c]], shapes[ends[c]]) for c in mine}
+    if v == 1:  # one chunk: the stage itself, named as before
+        module, names = parts[mine[0]], stage_state_names(bounds, mine[0], parts[mine[0]])
+    else:  # "k.<layer>.<name>": this rank's k-th chunk
+        module = nn.ModuleList(chunks[c] for c in mine)
+        names = {
+            f"{k}.{local}": whole
+            for k, c in enumerate(mine)
+            for local, whole in stage_state_names(bounds, c, chunks[c]).items()
+        }
+    first_in, last_out = io[mine[0]][0], io[mine[-1]][1]
     return Stage(
-        s,
-        cfg.stages,
-        bounds,
-        module,
-        stage_state_names(bounds, s, module),
-        shapes[bounds[s]],
-        shapes[ends[s]],
-        dataset,
+        s, cfg.stages, bounds, module, names, first_in, last_out, dataset, schedule, chunks, io
     )
 
 
 def stage_bounds(
-    cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor
+    cfg: RunConfig, ctx: RankContext, model: nn.Sequential, x: torch.Tensor, parts: int = 0
 ) -> list[int]:
     """Equal layer counts, or (``cfg.balance_stages``) a cut by per-block cost timed on rank 0 and
-    broadcast, because timings differ between ranks and every rank must cut at the same place."""
+    broadcast, because timings differ between ranks and every rank must cut at the same place.
+    ``parts``: the chunks to cut (default: one per stage)."""
+    parts = parts or cfg.stages
     if not cfg.balance_stages:
-        return even_bounds(len(model), cfg.stages)
-    box = [partition(layer_costs(model, x), cfg.stages) if ctx.rank == 0 else None]
+        return even_bounds(len(model), parts)
+    box = [partition(layer_costs(model, x), parts) if ctx.rank == 0 else None]
     if ctx.distributed:
         dist.broadcast_object_list(box, src=0)
     model.zero_grad(set_to_none=True)
@@ -105,17 +134,20 @@ def boundary_shapes(model: nn.Sequential, x: torch.Tensor) -> list[torch.Tensor]
 
 
 class ScheduleLog:
-    """This stage's forward and backward events of one step on the shared clock
-    (``perf_counter`` plus this machine's offset to rank 0), and each interval it was blocked in
-    a receive or a send's completion, kept for the step's trace: a participant of the stage's
-    watch (``labkit.rank.watch``), which times them as the phases they are, so an event is
-    exactly the time its phase adds to the record. The step's record starts where the barrier
-    lets every stage start the schedule together (``start_s``)."""
+    """This stage's compute events of one step on the shared clock (``perf_counter`` plus this
+    machine's offset to rank 0), and each interval it was blocked in a receive or a send's
+    completion, kept for the step's trace: a participant of the stage's watch
+    (``labkit.rank.watch``), which times them as the phases they are, so an event is exactly the
+    time its phase adds to the record. Each event is one action of the schedule, as the executor
+    announced it (``action``): its kind (F, B, or the split backward's I and W), micro-batch and
+    model chunk. The step's record starts where the barrier lets every stage start the schedule
+    together (``start_s``)."""
 
     def __init__(self, stage: int, offset_s: float = 0.0):
         self.stage, self.offset_s = stage, offset_s
         self.watch: Watch | None = None
-        self.closed: list[tuple[str, object]] = []  # (phase, micro-batch or label), in order
+        self.pending: deque[tuple[str, int, int]] = deque()  # announced, not yet closed
+        self.closed: list[tuple[str, object]] = []  # (phase, action or label), in order
 
     def attach(self, watch: Watch) -> None:
         self.watch = watch
@@ -125,7 +157,11 @@ class ScheduleLog:
 
     def exit(self, phase) -> None:
         if phase.name in ("forward", "backward"):
-            self.closed.append((phase.name, phase.microbatch))
+            kind = "F" if phase.name == "forward" else "B"
+            self.closed.append(
+                (phase.name, self.pending.popleft() if self.pending else
+                 (kind, phase.microbatch, self.stage))
+            )  # fmt: skip
         elif phase.name == "comm":  # ``label``: what it waited for, where the caller knows
             self.closed.append((phase.name, phase.label))
 
@@ -141,10 +177,10 @@ class ScheduleLog:
                 if phase == "comm":
                     comm_events.append({"kind": what, "microbatch": None, "start": a, "end": b})
                 else:
-                    kind = "F" if phase == "forward" else "B"
+                    kind, m, chunk = what
                     events.append(
-                        {"stage": self.stage, "microbatch": int(what), "kind": kind,
-                         "start": a, "end": b}
+                        {"stage": self.stage, "chunk": int(chunk), "microbatch": int(m),
+                         "kind": kind, "start": a, "end": b}
                     )  # fmt: skip
         rec["start_s"] = origin  # the barrier's exit, on the events' clock
         rec["events"] = events
@@ -152,6 +188,17 @@ class ScheduleLog:
             {**c, "start": c["start"] - origin, "end": c["end"] - origin}
             for c in label_comm(events, comm_events)
         ]
+
+
+def action(watch: Watch, kind: str, microbatch: int, chunk: int, *batch):
+    """The phase that times one action of the schedule, announced to the stage's log: a forward
+    ("F", with ``batch``, the data it was handed), a full backward ("B"), or the split
+    backward's input ("I") and weight ("W") halves. The memory meter holds what a forward saved
+    until the backward that frees it: B, or W (an I keeps what its W will need)."""
+    log = next(p for p in watch.parts if isinstance(p, ScheduleLog))
+    log.pending.append((kind, microbatch, chunk))
+    key = None if kind == "I" else (microbatch, chunk)
+    return watch.phase("forward" if kind == "F" else "backward", *batch, microbatch=key)
 
 
 def stage_watch(
@@ -170,6 +217,7 @@ def stage_watch(
         stages=cfg.stages,
         replica=replica,
         microbatches=cfg.microbatches,
+        virtual_stages=stage.virtual,
         schedule=schedule,
         impl=impl,
     )

@@ -8,7 +8,7 @@ import threading
 import ipywidgets as W
 
 from .. import experiment
-from ..config import RunConfig
+from ..config import PIPELINE_IMPLS, RunConfig
 from ..plots import pipeline as pipeline_charts
 from ..records import step_bubbles
 from ..registry import PIPELINES
@@ -44,7 +44,7 @@ class PipelinePanel(BackgroundRun):
             layout={"width": "260px"},
         )
         self.impl = W.ToggleButtons(
-            options=["scratch", "torch"], value=base.pipeline_impl, style={"button_width": "80px"}
+            options=list(PIPELINE_IMPLS), value=base.pipeline_impl, style={"button_width": "80px"}
         )
         self.controls = W.HBox(
             [

@@ -252,7 +252,7 @@ def test_cli_compare_records_carry_events_and_bubble(tmp_path):
     assert {r["strategy"] for r in records} == {"model_parallel", "pipeline_gpipe", "pipeline_1f1b"}
     for r in records:
         assert 0 <= r["bubble_fraction"] < 1 and r["events"]
-        assert set(r["events"][0]) == {"stage", "microbatch", "kind", "start", "end"}
+        assert set(r["events"][0]) == {"stage", "chunk", "microbatch", "kind", "start", "end"}
 
 
 def test_cli_check_accepts_pipeline_strategies():
