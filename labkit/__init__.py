@@ -33,6 +33,7 @@ _LAZY = {
     "sync_panel": "widgets",
     "elastic_panel": "widgets",
     "sched_panel": "widgets",
+    "moe_panel": "widgets",
 }
 _SUBMODULES = (
     "registry",

@@ -7,6 +7,7 @@ from .comm_panel import CommPanel, WhatIfPanel, comm_panel
 from .elastic_panel import ElasticPanel, elastic_panel
 from .layout_panel import AdvisorPanel, LayoutPanel, advisor_panel, layout_panel
 from .memory_panel import MemoryPanel, memory_panel
+from .moe_panel import MoEPanel, moe_panel
 from .pipeline_panel import PipelinePanel, last_step_events, pipeline_panel
 from .run_panel import RunPanel, run_panel, world_sizes_upto
 from .sched_panel import SchedPanel, sched_panel
@@ -34,6 +35,8 @@ __all__ = [
     "elastic_panel",
     "SchedPanel",
     "sched_panel",
+    "MoEPanel",
+    "moe_panel",
     "LayoutPanel",
     "layout_panel",
     "AdvisorPanel",

@@ -67,3 +67,26 @@ def test_ep_without_experts_runs_as_data_parallelism_and_says_so():
     res = ex.experiment.run(MOE.replace(experts=0, capacity_factor=1.25, router_skew=0.0))
     assert any("ran as data parallelism" in n for n in res.notes), res.notes
     assert "expert_routed" not in res.records
+
+
+def test_the_panel_runs_its_preset_then_a_skewed_router_and_refuses_bad_input():
+    import json
+
+    from labkit.widgets import moe_panel
+
+    panel = moe_panel(MOE.replace(capacity_factor=1.25, router_skew=0.0), run_now=True)
+    assert "done" in panel.status.value and len(panel.table) == 1
+    shown = json.dumps([o["data"] for o in panel.out.outputs])
+    assert "application/vnd.plotly.v1+json" in shown and "Load per expert" in shown
+    panel.skew.value = 6.0
+    panel.aux.value = 0.0
+    panel.start().join(120)
+    assert len(panel.table) == 2, panel.status.value
+    even, skewed = panel.table["dropped"]
+    assert skewed > even and panel.table["busiest_over_even"].iloc[1] > 3.5  # one expert, ~all
+    panel.experts.value = 2
+    panel.top_k.value = 2
+    assert not panel.run_button.disabled  # top-2 of 2 experts is allowed
+    panel.base = panel.base.replace(world_size=4, global_batch=16)
+    panel.check_controls()
+    assert panel.run_button.disabled and "multiple of 4" in panel.status.value
