@@ -687,7 +687,7 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     page = open_and_run_all(
         browser,
         lab,
-        "12_tensor_parallel.ipynb",
+        "13_layouts.ipynb",
         only=(
             "env = labkit.env_probe()",
             "panel = layout_panel()",
@@ -707,7 +707,7 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     status = wait_status(page, r"done: run 2, dp_tp", 120)
     assert "2 run(s) in the table, one row each" in status, status
     shown = panel_output(page)
-    page.screenshot(path=str(OUT / "browser-12-after-run.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-13-after-run.png"), full_page=True)
     assert "dp1 tp2 pp1" in shown and "dp2 tp2 pp1" in shown, shown[:800]
 
     # tensor and pipeline together is not a strategy: said before anything runs, Run disabled
@@ -736,7 +736,7 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     deadline = time.time() + 20
     while panel_status(page) == before and time.time() < deadline:
         time.sleep(0.2)
-    page.screenshot(path=str(OUT / "browser-12-advisor.png"), full_page=True)
+    page.screenshot(path=str(OUT / "browser-13-advisor.png"), full_page=True)
     assert panel_status(page) != before and "best: tp" in panel_status(page)
     assert not kernel_ranks(lab)
     page.close()
