@@ -399,3 +399,86 @@ def activations(
     out = pd.DataFrame(rows)
     out["error"] = out["measured"] / out["predicted"] - 1
     return out
+
+
+# ---- the calculator at scale, and a published long-context layout -------------------------------
+
+LLAMA3_SOURCE = (
+    "Dubey et al. 2024, 'The Llama 3 Herd of Models' (arXiv:2407.21783): Table 3 (405B: 126 "
+    "layers, model dimension 16,384, 128 heads, 8 key/value heads, vocabulary 128,256) and "
+    "Table 4 (the 128K-context stage: 16,384 H100 80GB GPUs, TP 8, CP 16, PP 16, DP 8, sequence "
+    "131,072, 16M tokens per batch, 380 TFLOP/s per GPU; the 8K stage on as many GPUs: CP 1, "
+    "DP 128). 128 layers here (16 stages of 8; the paper's 126 are cut unevenly), a 12h^2 "
+    "layer (its SwiGLU and grouped-query attention hold 11.9h^2) and no position table (RoPE)"
+)
+LLAMA3_405B = dict(layers=128, hidden=16384, heads=128, kv_heads=8, vocab=128256)
+LLAMA3_128K = dict(gpus=16384, tp=8, cp=16, pp=16, dp=8, seq=131072, global_batch=128)
+
+
+def attention_growth(
+    seqs: Sequence[int] = (2048, 8192, 32768, 131072), *, hidden: int = 4096, heads: int = 32
+) -> pd.DataFrame:
+    """Why the sequence is what grows: one layer's activations for one sequence (Korthikanti et
+    al. 2022's s b h (34 + 5 a s / h), ``predict.memory.layer_activations``) split into the
+    per-token part (34 s b h: linear in s) and the attention scores' (5 a s^2 b: quadratic),
+    and the layer's forward FLOPs likewise (24 b s h^2 for the matrices, 4 b s^2 h for the
+    scores and their product with the values, ``predict.layout.iteration_flops``)."""
+    from ..predict.memory import layer_activations
+
+    rows = []
+    for s in seqs:
+        shape = dict(seq=s, micro_batch=1, hidden=hidden, heads=heads)
+        whole = layer_activations(**shape)
+        per_token = layer_activations(**shape, recompute="selective")
+        rows.append(
+            {
+                "seq": s,
+                "per_token_GB": per_token / 1e9,
+                "scores_GB": (whole - per_token) / 1e9,
+                "scores_share": (whole - per_token) / whole,
+                "attention_flops_share": 4
+                * s
+                * s
+                * hidden
+                / (24 * s * hidden**2 + 4 * s * s * hidden),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def published_long_context(reserve: float = 0.1) -> pd.DataFrame:
+    """Llama 3 405B's published 128K layout (``LLAMA3_128K``, ``LLAMA3_SOURCE``) and the same
+    GPUs without context parallelism (cp 1, dp 128), by the calculator, per GPU of the first
+    pipeline stage: model states (mixed-precision Adam, ZeRO-1 over the dp x cp GPUs that hold
+    the same parameters) and activations, with flash attention (no s x s scores kept or
+    rebuilt: Korthikanti's selective row for the layer backward rebuilds) under full
+    recomputation (each layer keeps its 2 s b h / (t cp) input; 1F1B keeps pp micro-batches in
+    flight on the first stage). ``fits``: within an H100's 80 GB less ``reserve``."""
+    from ..predict.memory import layer_activations, model_states
+
+    m, lay = LLAMA3_405B, LLAMA3_128K
+    psi = m["layers"] * 12 * m["hidden"] ** 2 + 2 * m["vocab"] * m["hidden"]
+    rows = []
+    for cp_degree, dp in ((lay["cp"], lay["dp"]), (1, lay["dp"] * lay["cp"])):
+        shape = dict(seq=lay["seq"], micro_batch=1, hidden=m["hidden"], heads=m["heads"])
+        shape.update(tp=lay["tp"], sequence_parallel=True, cp=cp_degree)
+        kept = layer_activations(**shape, recompute="full")
+        rebuilt = layer_activations(**shape, recompute="selective")
+        layers_here = m["layers"] // lay["pp"]
+        acts = layers_here * lay["pp"] * kept + rebuilt
+        states = model_states(psi, dp=dp * cp_degree, zero=1, tp=lay["tp"], pp=lay["pp"])
+        total = sum(states.values()) + acts
+        rows.append(
+            {
+                "layout": f"tp {lay['tp']} x cp {cp_degree} x pp {lay['pp']} x dp {dp}",
+                "cp": cp_degree,
+                "states_GB": sum(states.values()) / 1e9,
+                "activations_GB": acts / 1e9,
+                "total_GB": total / 1e9,
+                "fits": total <= 80e9 * (1 - reserve),
+                "published": cp_degree == lay["cp"],
+            }
+        )
+    out = pd.DataFrame(rows)
+    out.attrs["source"] = LLAMA3_SOURCE
+    return out

@@ -23,7 +23,7 @@ What the numbers are:
 
 The step of one layout (every term is a field of ``Layout``):
 
-    step = compute + tp_comm + pp_bubble + pp_comm + (1 - dp_overlap) * dp_comm
+    step = compute + tp_comm + pp_bubble + pp_comm + (1 - dp_overlap) * dp_comm + cp_comm
 
 ``compute``: the FLOPs of one iteration as Narayanan et al. count them (SC'21, Appendix; see
 ``iteration_flops``) over ``gpus * peak * mfu``. ``tp_comm``: 4 all-reduces of the b*s*h
@@ -32,6 +32,10 @@ whose extra forward repeats its 2) on the node's NVLink. ``pp_bubble``: the 1F1B
 idle share (P-1)/(M+P-1) of each stage's time (``labkit.predict.schedule.theory_bubble``).
 ``pp_comm``: one activation hand-off forward and one gradient hand-off backward per pipeline
 slot. ``dp_comm``: the gradients' reduction across data-parallel ranks (ZeRO's variants below).
+``cp_comm``: context parallelism's ring (``ring_pass_s``), cp GPUs each holding s/cp of every
+sequence (``cp_choices``; 1 by default): what of the keys' and values' passes round the ring
+its attention blocks do not hide. With cp, activations and the tp and pp messages shrink by cp,
+and the gradients are reduced over the dp * cp GPUs that hold the same parameters.
 
 Each GPU's TFLOP/s is reported two ways: ``tflops_per_gpu`` counts the model's FLOPs as 6 * N
 per token (N parameters; Kaplan et al. 2020): useful work only, whatever is recomputed;
@@ -142,6 +146,8 @@ class Layout:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float
+    cp: int = 1  # context-parallel degree: GPUs sharing each sequence
+    cp_comm_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -247,6 +253,8 @@ def plan(
     dp_overlap: float = 0.0,
     sequence_parallel: bool = False,
     optimizer: str = "adam",
+    cp_choices: Sequence[int] = (1,),
+    kv_heads: int | None = None,
 ) -> list[Layout]:
     """Every layout of the model on ``gpus`` GPUs, best first: the highest tokens/s among those
     that fit (ties: less memory first), then those that do not fit, smallest first.
@@ -258,7 +266,10 @@ def plan(
     allow; no ZeRO stage when dp = 1, where it shards nothing) and recomputation policies.
     ``tp_choices``/``pp_choices`` restrict tp and pp (None: all). A layout fits when its
     memory per GPU is at most the device's memory less ``reserve`` (a share kept for the CUDA
-    context, NCCL buffers and fragmentation)."""
+    context, NCCL buffers and fragmentation). ``cp_choices``: context-parallel degrees to try
+    (each dividing the sequence into 2 cp chunks; dp = gpus / (tp * pp * cp)); ``kv_heads``:
+    the key/value heads, fewer than ``heads`` under grouped-query attention (the ring's bytes).
+    """
     gpu = _device(device)
     _check_plan(layers, hidden, heads, gpus, gpus_per_node, global_batch, mfu, reserve, dp_overlap)
     model = dict(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab)
@@ -272,12 +283,12 @@ def plan(
         dp_overlap=dp_overlap,
         sequence_parallel=sequence_parallel,
         optimizer=optimizer,
+        kv_heads=kv_heads,
     )
+    choices = (tp_choices, pp_choices, cp_choices)
     out = [
         evaluate(**model, **cluster, **knobs)
-        for knobs in _candidates(
-            model, cluster, zero_stages, recompute, microbatches, tp_choices, pp_choices
-        )
+        for knobs in _candidates(model, cluster, zero_stages, recompute, microbatches, *choices)
     ]
     if not out:
         raise ValueError(
@@ -288,21 +299,26 @@ def plan(
     return sorted(out, key=_rank)
 
 
-def _candidates(model, cluster, zero_stages, recompute, microbatches, tp_choices, pp_choices):
-    """The (tp, pp, dp, zero, microbatch, recompute) a plan considers (see ``plan``)."""
+def _candidates(
+    model, cluster, zero_stages, recompute, microbatches, tp_choices, pp_choices, cp_choices=(1,)
+):
+    """The (tp, pp, cp, dp, zero, microbatch, recompute) a plan considers (see ``plan``)."""
     gpus, per_node, batch = cluster["gpus"], cluster["gpus_per_node"], cluster["global_batch"]
     tps = [t for t in _divisors(per_node) if model["heads"] % t == 0 and gpus % t == 0]
     pps = _divisors(model["layers"])
     for tp in (t for t in tps if tp_choices is None or t in tp_choices):
-        for pp in (p for p in pps if pp_choices is None or p in pp_choices):
-            if gpus % (tp * pp):
+        for pp, cp in ((p, c) for p in pps if pp_choices is None or p in pp_choices
+                       for c in cp_choices if model["seq"] % (2 * c) == 0):  # fmt: skip
+            if gpus % (tp * pp * cp):
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * pp * cp)
             zeros = [z for z in zero_stages if (pp == 1 or z <= 1) and (dp > 1 or z == 0)]
             for mb in (m for m in microbatches if batch % (dp * m) == 0):
                 for zero in zeros:
                     for rc in recompute:
-                        yield dict(tp=tp, pp=pp, dp=dp, zero=zero, microbatch=mb, recompute=rc)
+                        yield dict(
+                            tp=tp, pp=pp, dp=dp, zero=zero, microbatch=mb, recompute=rc, cp=cp
+                        )
 
 
 def _rank(lay: Layout) -> tuple:
@@ -334,14 +350,18 @@ def evaluate(
     dp_overlap: float = 0.0,
     sequence_parallel: bool = False,
     optimizer: str = "adam",
+    cp: int = 1,
+    kv_heads: int | None = None,
 ) -> Layout:
     """One layout's memory (``memory.transformer_layout``) and predicted step (the module
-    docstring's cost model); ``plan`` calls it for each candidate."""
+    docstring's cost model); ``plan`` calls it for each candidate. ``cp``: GPUs sharing each
+    sequence (context parallelism), ``kv_heads``: see ``plan``."""
     gpu = _device(gpu) if isinstance(gpu, str) else gpu
-    if tp * pp * dp != gpus or global_batch % (dp * microbatch):
+    if tp * pp * cp * dp != gpus or global_batch % (dp * microbatch) or seq % cp:
         raise ValueError(
-            f"tp {tp} x pp {pp} x dp {dp} must equal the {gpus} GPUs and dp x micro-batch "
-            f"({dp} x {microbatch}) divide the global batch {global_batch}"
+            f"tp {tp} x pp {pp} x cp {cp} x dp {dp} must equal the {gpus} GPUs, dp x "
+            f"micro-batch ({dp} x {microbatch}) divide the global batch {global_batch} and cp "
+            f"the sequence {seq}"
         )
     m = global_batch // (dp * microbatch)
     model = dict(layers=layers, hidden=hidden, seq=seq, vocab=vocab)
@@ -351,16 +371,17 @@ def evaluate(
         micro_batch=microbatch,
         tp=tp,
         pp=pp,
-        dp=dp,
+        dp=dp * cp,  # the GPUs holding the same parameters: ZeRO shards over all of them
         zero=zero,
         recompute=recompute,
         optimizer=optimizer,
         microbatches_in_flight=min(pp, m),
         sequence_parallel=sequence_parallel,
+        cp=cp,
     )
     flops = iteration_flops(**model, batch=global_batch, recompute=recompute)
     compute = flops / (gpus * gpu.peak_flops * mfu)
-    act_bytes = 2 * microbatch * seq * hidden  # one micro-batch's b x s x h, 16-bit
+    act_bytes = 2 * microbatch * seq / cp * hidden  # one micro-batch's b x s/cp x h, 16-bit
     nvlink, ib = LINKS[gpu.nvlink], LINKS[gpu.network]
     per_ar = nvlink.time("all_reduce", act_bytes, tp)
     tp_comm = (layers // pp) * m * (6 if recompute == "full" else 4) * per_ar
@@ -369,8 +390,13 @@ def evaluate(
     hop = nvlink if gpus <= gpus_per_node else ib
     pp_comm = 2 * (m + pp - 1) * hop.time("p2p", act_bytes / tp, 2) if pp > 1 else 0.0
     psi = memory.stage_parameters(**model, tp=tp, pp=pp)
-    dp_comm = _dp_comm(2 * psi, dp, zero, m, _dp_link(tp, dp, gpus_per_node, nvlink, ib))
-    step = compute + tp_comm + pp_bubble + pp_comm + (1 - dp_overlap) * dp_comm
+    replicas = dp * cp  # the gradients' reduction: every GPU holding the same parameters
+    dp_link = _dp_link(tp, replicas, gpus_per_node, nvlink, ib)
+    dp_comm = _dp_comm(2 * psi, replicas, zero, m, dp_link)
+    kv = hidden * (kv_heads or heads) // heads
+    shape = (layers // pp, m, microbatch, seq, hidden, kv)
+    cp_comm = _cp_comm(*shape, tp, cp, recompute, gpu, mfu, gpus_per_node)
+    step = compute + tp_comm + pp_bubble + pp_comm + (1 - dp_overlap) * dp_comm + cp_comm
     usable = gpu.memory_bytes * (1 - reserve)
     tokens = global_batch * seq
     return Layout(
@@ -397,7 +423,39 @@ def evaluate(
         grads_bytes=mem["grads"],
         optimizer_bytes=mem["optimizer"],
         activations_bytes=mem["activations"],
+        cp=cp,
+        cp_comm_s=cp_comm,
     )
+
+
+def ring_pass_s(link: AlphaBeta, block_bytes: float, n: int, block_compute_s: float = 0.0):
+    """One pass of context parallelism's ring on ``n`` GPUs: n - 1 steps, each sending a block
+    of ``block_bytes`` to the next GPU (a point-to-point message, alpha + S / beta) while the
+    attention of the block in hand takes ``block_compute_s``; what stays exposed is
+    (n - 1) * max(0, alpha + S / beta - block_compute_s). The ring hides behind compute when a
+    block's attention outlasts its transfer (Liu et al. 2023, arXiv:2310.01889, section 3)."""
+    if n == 1:
+        return 0.0
+    return (n - 1) * max(0.0, link.time("p2p", block_bytes, 2) - block_compute_s)
+
+
+def _cp_comm(layers, m, b, seq, hidden, kv, tp, cp, recompute, gpu, mfu, per_node) -> float:
+    """Seconds of context parallelism's ring per step not hidden by attention: per layer and
+    micro-batch one forward pass of K and V (16-bit, ``kv`` wide: h under multi-head
+    attention, h * kv_heads / heads under grouped-query), each GPU's tp share, b * s/cp of them;
+    one backward pass carrying K, V and dK, dV (twice the bytes, beside twice the compute); a
+    second forward pass under full recomputation. A block's attention: 4 b (s/cp)^2 h / tp
+    FLOPs forward (one s/cp x s/cp tile), at ``mfu`` of the GPU's peak. The cp GPUs sit next to
+    the tp ones (Megatron-LM's order): NVLink while tp * cp fits in a node, else InfiniBand."""
+    if cp == 1:
+        return 0.0
+    link = LINKS[gpu.nvlink] if tp * cp <= per_node else LINKS[gpu.network]
+    block = 2 * 2 * b * (seq / cp) * kv / tp  # K and V, 2 bytes each
+    tile = 4 * b * (seq / cp) ** 2 * hidden / tp / (gpu.peak_flops * mfu)
+    forward = ring_pass_s(link, block, cp, tile)
+    backward = ring_pass_s(link, 2 * block, cp, 2 * tile)
+    passes = forward * (2 if recompute == "full" else 1) + backward
+    return layers * m * passes
 
 
 def _dp_link(tp: int, dp: int, gpus_per_node: int, nvlink: AlphaBeta, ib: AlphaBeta) -> AlphaBeta:
@@ -481,7 +539,7 @@ def to_frame(layouts: Sequence[Layout]):
     if df.empty:
         return df
     df["mem_per_gpu_GB"] = df["mem_per_gpu_bytes"] / GB
-    for col in ("step", "compute", "tp_comm", "pp_bubble", "pp_comm", "dp_comm"):
+    for col in ("step", "compute", "tp_comm", "pp_bubble", "pp_comm", "dp_comm", "cp_comm"):
         df[f"{col}_ms"] = 1e3 * df[f"{col}_s"]
     return df
 

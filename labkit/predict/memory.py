@@ -489,6 +489,7 @@ def layer_activations(
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: str = "none",
+    cp: int = 1,
 ) -> float:
     """Bytes one transformer layer keeps for backward, for one micro-batch, on one GPU: Table 2
     of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
@@ -506,9 +507,16 @@ def layer_activations(
     The 34 counts the linear layers' inputs, LayerNorm inputs and dropout masks; 5*a*s/h the
     attention's s x s scores, softmax output and its dropout mask, which grow with s^2 and are
     what selective recomputation recomputes instead of keeping. Without sequence parallelism
-    the LayerNorms and dropouts (10*s*b*h) are replicated on every tp rank."""
+    the LayerNorms and dropouts (10*s*b*h) are replicated on every tp rank.
+
+    Context parallelism (``cp``; ``labkit.strategies.cp``) divides all of it by cp: a GPU keeps
+    the per-token activations of its s/cp positions, and its queries' scores over all s keys."""
     _check_recompute(recompute)
-    _check_whole(tp=tp)
+    _check_whole(tp=tp, cp=cp)
+    if cp > 1:
+        shape = dict(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp)
+        kept = layer_activations(**shape, sequence_parallel=sequence_parallel, recompute=recompute)
+        return kept / cp
     s, b, h, a, t = seq, micro_batch, hidden, heads, tp
     if recompute == "full":
         return 2 * s * b * h / (t if sequence_parallel else 1)
@@ -535,6 +543,7 @@ def transformer_layout(
     microbatches_in_flight: int | None = None,
     sequence_parallel: bool = False,
     recipe: str = "paper",
+    cp: int = 1,
 ) -> dict:
     """Bytes per GPU (``params``, ``grads``, ``optimizer``, ``activations``, ``total``) of a
     GPT-style transformer trained with tensor (``tp``), pipeline (``pp``) and data (``dp``)
@@ -573,6 +582,7 @@ def transformer_layout(
         tp=tp,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
+        cp=cp,  # context parallelism: each GPU's s/cp positions (``layer_activations``)
     )
     out["total"] = sum(out[c] for c in (*STATE_CATEGORIES, "activations"))
     return out
@@ -589,6 +599,7 @@ def stack_activations(
     sequence_parallel: bool = False,
     recompute: str = "none",
     in_flight: int = 1,
+    cp: int = 1,
 ) -> float:
     """Peak bytes of activations on one GPU for ``layers`` transformer layers, each holding
     ``in_flight`` micro-batches: what each layer keeps (``layer_activations``), and with
@@ -597,7 +608,7 @@ def stack_activations(
     (Korthikanti et al. 2022, Table 2); the rebuilt layer is the rest of backward's peak.
     ``transformer`` and ``transformer_layout`` both read this one definition."""
     _check_whole(layers=layers, in_flight=in_flight)
-    shape = dict(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp)
+    shape = dict(seq=seq, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp, cp=cp)
     kept = layer_activations(**shape, sequence_parallel=sequence_parallel, recompute=recompute)
     full = layer_activations(**shape, sequence_parallel=sequence_parallel)
     return layers * in_flight * kept + (full - kept if recompute != "none" else 0.0)

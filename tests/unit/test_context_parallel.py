@@ -122,3 +122,74 @@ def test_a_cp_config_trains_the_whole_batch_on_every_rank_of_a_ring():
     assert cfg.context_parallel == 4 and cfg.data_ranks == 1 and cfg.batch_per_rank == 8
     two = RunConfig(strategy="dp_cp", world_size=4, cp=2, model="transformer", global_batch=8)
     assert two.context_parallel == 2 and two.data_ranks == 2 and two.batch_per_rank == 4
+
+
+# ---- the calculator and the advisor know a cp degree -------------------------------------------
+
+
+def test_activations_divide_by_cp_by_hand():
+    from labkit.predict import memory
+
+    shape = dict(seq=8, micro_batch=1, hidden=4, heads=2)
+    assert memory.layer_activations(**shape) == 8 * 1 * 4 * (34 + 5 * 2 * 8 / 4)  # 1728
+    assert memory.layer_activations(**shape, cp=2) == 864
+    big = dict(layers=4, hidden=64, heads=4, seq=1024, vocab=100, micro_batch=2, tp=2, pp=2)
+    one = memory.transformer_layout(**big, recompute="selective")
+    four = memory.transformer_layout(**big, recompute="selective", cp=4)
+    assert four["activations"] == pytest.approx(one["activations"] / 4)
+    assert four["params"] == one["params"]
+
+
+def test_the_ring_hides_behind_attention_only_when_a_block_computes_longer_than_it_travels():
+    from labkit.predict.collectives import AlphaBeta
+    from labkit.predict.layout import ring_pass_s
+
+    link = AlphaBeta(1e-6, 1e9, "by hand")
+    assert ring_pass_s(link, 1e6, 4) == pytest.approx(3 * (1e-6 + 1e-3))
+    assert ring_pass_s(link, 1e6, 4, block_compute_s=5e-4) == pytest.approx(3 * 5.01e-4)
+    assert ring_pass_s(link, 1e6, 4, block_compute_s=2e-3) == 0.0
+    assert ring_pass_s(link, 1e6, 1) == 0.0
+
+
+def test_the_advisor_s_cp_term_by_hand():
+    from labkit.predict import layout as L
+
+    gpu = L.DEVICES["A100 80GB"]
+    link = L.LINKS[gpu.nvlink]  # tp x cp = 2 GPUs: inside a node
+    args = dict(layers=2, hidden=1024, heads=8, vocab=1000, gpus=16, global_batch=16, tp=1, pp=1)
+    args.update(zero=0, microbatch=1, recompute="none", gpu=gpu)
+    for seq, hidden_by_compute in ((256, False), (4096, True)):
+        one = L.evaluate(**args, seq=seq, cp=1, dp=16)
+        two = L.evaluate(**args, seq=seq, cp=2, dp=8)
+        assert two.activations_bytes == pytest.approx(one.activations_bytes / 2)
+        assert two.compute_s == one.compute_s and one.cp_comm_s == 0.0
+        block = 2 * 2 * (seq / 2) * 1024  # K and V of s/cp positions, 16-bit
+        tile = 4 * (seq / 2) ** 2 * 1024 / (gpu.peak_flops * L.MFU)
+        per_layer = L.ring_pass_s(link, block, 2, tile) + L.ring_pass_s(
+            link, 2 * block, 2, 2 * tile
+        )
+        assert two.cp_comm_s == pytest.approx(2 * 2 * per_layer)  # 2 layers x 2 micro-batches
+        assert (two.cp_comm_s == 0.0) == hidden_by_compute  # long blocks hide their transfer
+
+
+def test_the_advisor_reaches_for_cp_when_the_sequence_does_not_fit_otherwise():
+    from labkit.predict import layout as L
+
+    model = dict(layers=32, hidden=4096, heads=32, seq=131072, vocab=32000)
+    layouts = L.plan(
+        **model, gpus=64, global_batch=64, device="H100 SXM 80GB", cp_choices=(1, 2, 4, 8)
+    )
+    assert layouts[0].fits and layouts[0].cp > 1
+    assert not any(lay.fits for lay in layouts if lay.cp == 1)
+    assert {lay.cp for lay in layouts} == {1, 2, 4, 8}
+    assert all(lay.cp == 1 for lay in L.plan(**model, gpus=64, global_batch=64))  # default
+
+
+def test_llama3_s_published_128k_layout_fits_and_the_same_gpus_without_cp_do_not():
+    table = ls.published_long_context().set_index("cp")
+    assert table.loc[16, "fits"] and not table.loc[1, "fits"]
+    assert table.loc[1, "activations_GB"] == pytest.approx(16 * table.loc[16, "activations_GB"])
+    # by hand: 128 layers of 2 s b h / (t cp) bytes in flight (1F1B: 8 layers x 16 micro-
+    # batches on the first stage) plus one layer rebuilt, 34 s b h / (t cp)
+    sbh_t = 131072 * 16384 / 8
+    assert table.loc[16, "activations_GB"] == pytest.approx((128 * 2 + 34) * sbh_t / 16 / 1e9)
