@@ -18,34 +18,64 @@ from ..predict.schedule import (
     theory_bubble,
 )
 
-_COLORS = {"F": "#4C78A8", "B": "#F58518"}
+# per kind, a rank's first model chunk and its later ones (lighter): forward, full backward, and
+# the zero-bubble split's input (I) and weight (W) halves
+_COLORS = {
+    "F": ("#4C78A8", "#9ECAE9"),
+    "B": ("#F58518", "#FFBF79"),
+    "I": ("#E45756", "#FF9D98"),
+    "W": ("#54A24B", "#88D27A"),
+}
+_NAMES = {"F": "forward", "B": "backward", "I": "backward, input (I)", "W": "backward, weights (W)"}
 # micro-batch numbers at one size, and none on a bar too short to hold it (M = 16 crowded the
 # bars with shrunken, overlapping digits); hovering a bar still names its micro-batch
 _LABELS_THAT_FIT = dict(uniformtext_minsize=9, uniformtext_mode="hide")
 
 
+def _local_chunk(events: Sequence[dict]) -> dict[tuple[int, int], int]:
+    """(stage, chunk) -> the chunk's place among its rank's chunks (0: the rank's first)."""
+    held: dict[int, set] = {}
+    for e in events:
+        held.setdefault(e["stage"], set()).add(e.get("chunk", e["stage"]))
+    return {(s, c): i for s, cs in held.items() for i, c in enumerate(sorted(cs))}
+
+
 def _gantt_traces(events: Sequence[dict], show_legend: bool = True) -> list[go.Bar]:
+    """One bar per action, one trace per kind and (with several chunks per rank) per the
+    chunk's place on its rank; the bar's text is its micro-batch, its hover names the chunk."""
+    local = _local_chunk(events)
+    several = max(local.values(), default=0) > 0
     traces = []
-    for kind, name in (("F", "forward"), ("B", "backward")):
-        evs = [e for e in events if e["kind"] == kind]
-        traces.append(
-            go.Bar(
-                orientation="h",
-                name=name,
-                legendgroup=kind,
-                showlegend=show_legend,
-                y=[f"stage {e['stage']}" for e in evs],
-                base=[e["start"] for e in evs],
-                x=[e["end"] - e["start"] for e in evs],
-                text=[str(e["microbatch"]) for e in evs],
-                textposition="inside",
-                insidetextanchor="middle",
-                marker_color=_COLORS[kind],
-                hovertemplate=(
-                    "%{y} micro-batch %{text}<br>start %{base:.4f}<br>%{x:.4f}<extra></extra>"
-                ),
+    for kind in ("F", "B", "I", "W"):
+        for k in range(1 + max(local.values(), default=0)):
+            evs = [
+                e
+                for e in events
+                if e["kind"] == kind and local[e["stage"], e.get("chunk", e["stage"])] == k
+            ]
+            if not evs and (kind in ("I", "W") or k):
+                continue
+            name = _NAMES[kind] + (f", chunk {k + 1} of the rank" if several else "")
+            traces.append(
+                go.Bar(
+                    orientation="h",
+                    name=name,
+                    legendgroup=f"{kind}{k}",
+                    showlegend=show_legend,
+                    y=[f"stage {e['stage']}" for e in evs],
+                    base=[e["start"] for e in evs],
+                    x=[e["end"] - e["start"] for e in evs],
+                    text=[str(e["microbatch"]) for e in evs],
+                    customdata=[e.get("chunk", e["stage"]) for e in evs],
+                    textposition="inside",
+                    insidetextanchor="middle",
+                    marker_color=_COLORS[kind][min(k, 1)],
+                    hovertemplate=(
+                        f"%{{y}} {kind} micro-batch %{{text}} chunk %{{customdata}}"
+                        "<br>start %{base:.4f}<br>%{x:.4f}<extra></extra>"
+                    ),
+                )
             )
-        )
     return traces
 
 
@@ -188,3 +218,107 @@ def stage_times(before: Sequence[float], after: Sequence[float]) -> go.Figure:
 
 def _n_stages(events: Iterable[dict]) -> int:
     return len({e["stage"] for e in events}) or 1
+
+
+def order_in_time(order: dict, title: str | None = None) -> go.Figure:
+    """A schedule's own order (``labkit.labs.pipeline_bubble.schedule_order``) laid out in unit
+    time, with a slider (and Play) that adds one time unit at a time: the pipe filling, each
+    rank's chunks by shade, the zero-bubble split's W filling the gaps; white is the bubble."""
+    events = order["events"]
+    end = max(e["end"] for e in events)
+    P = order["stages"]
+    times = sorted({e["end"] for e in events})
+    frames = [
+        go.Frame(data=_gantt_traces([e for e in events if e["end"] <= t]), name=f"{t:g}")
+        for t in times
+    ]
+    fig = go.Figure(data=_gantt_traces(events), frames=frames)
+    v = order["virtual"]
+    fig.update_layout(
+        title=title
+        or f"{order['strategy']}: P={P}, M={order['microbatches']}, v={v} (forward 1 unit, "
+        f"I and W 1 each; numbers: micro-batch)",
+        barmode="overlay",
+        xaxis=dict(title="time (units)", range=[0, end]),
+        yaxis=dict(
+            autorange="reversed",
+            categoryorder="array",
+            categoryarray=[f"stage {s}" for s in range(P)],
+        ),
+        height=230 + 45 * P,
+        updatemenus=[
+            dict(
+                type="buttons",
+                showactive=False,
+                x=0.0,
+                y=-0.15,
+                xanchor="left",
+                buttons=[
+                    dict(
+                        label="Play",
+                        method="animate",
+                        args=[None, dict(frame=dict(duration=250, redraw=True), fromcurrent=True)],
+                    )
+                ],
+            )
+        ],
+        sliders=[
+            dict(
+                active=len(frames) - 1,
+                x=0.1,
+                len=0.9,
+                y=-0.08,
+                currentvalue=dict(prefix="time: "),
+                steps=[
+                    dict(
+                        label=f.name,
+                        method="animate",
+                        args=[[f.name], dict(mode="immediate", frame=dict(duration=0))],
+                    )
+                    for f in frames
+                ],
+            )
+        ],
+        **_LABELS_THAT_FIT,
+    )
+    return fig
+
+
+def schedules_bubble(table) -> go.Figure:
+    """Per schedule (and v) at each M it predicted: the bubble measured, predicted from other
+    runs and by the closed form, each as idle / step."""
+    rows = table[table["role"] == "predicted"]
+    label = [
+        f"{s} v={v} M={m}"
+        for s, v, m in zip(rows["schedule"], rows["virtual_stages"], rows["microbatches"])
+    ]
+    fig = go.Figure(
+        [
+            go.Bar(x=label, y=rows["bubble_fraction"], name="measured"),
+            go.Bar(x=label, y=rows["bubble_predicted"], name="predicted from other runs"),
+            go.Bar(x=label, y=rows["theory"], name="closed form (equal chunks, free hand-offs)"),
+        ]
+    )
+    fig.update_layout(
+        title="bubble per schedule: idle share of the step",
+        barmode="group",
+        yaxis_title="idle / step",
+        yaxis_range=[0, 1],
+    )
+    return fig
+
+
+def activation_vs_in_flight(table) -> go.Figure:
+    """Per schedule and stage, the activation bytes held at the peak, measured by the memory
+    meter and predicted (in-flight count from the schedule's order x each chunk's bytes)."""
+    label = [f"{s} stage {k}" for s, k in zip(table["strategy"], table["stage"])]
+    fig = go.Figure(
+        [
+            go.Bar(x=label, y=table["bytes_measured"], name="measured (memory meter)"),
+            go.Bar(x=label, y=table["bytes_predicted"], name="predicted: in flight x bytes"),
+        ]
+    )
+    fig.update_layout(
+        title="activation bytes held at the peak, per stage", barmode="group", yaxis_title="bytes"
+    )
+    return fig

@@ -147,6 +147,7 @@ class ScheduleLog:
         self.stage, self.offset_s = stage, offset_s
         self.watch: Watch | None = None
         self.pending: deque[tuple[str, int, int]] = deque()  # announced, not yet closed
+        self.planned: list[tuple[str, int, int]] = []  # what the executor was told to run
         self.closed: list[tuple[str, object]] = []  # (phase, action or label), in order
 
     def attach(self, watch: Watch) -> None:
@@ -184,10 +185,21 @@ class ScheduleLog:
                     )  # fmt: skip
         rec["start_s"] = origin  # the barrier's exit, on the events' clock
         rec["events"] = events
+        rec["planned"] = [list(a) for a in self.planned]
         rec["comm_events"] = [  # each blocked interval, in seconds from start_s
             {**c, "start": c["start"] - origin, "end": c["end"] - origin}
             for c in label_comm(events, comm_events)
         ]
+
+
+def plan(watch: Watch, actions) -> None:
+    """Record the order this rank's executor runs (``(kind, micro-batch, chunk)`` each): labkit's
+    own, or what torch's schedule object lowered; each record carries it as ``planned``."""
+    _log(watch).planned = [tuple(a) for a in actions]
+
+
+def _log(watch: Watch) -> ScheduleLog:
+    return next(p for p in watch.parts if isinstance(p, ScheduleLog))
 
 
 def action(watch: Watch, kind: str, microbatch: int, chunk: int, *batch):
@@ -195,8 +207,7 @@ def action(watch: Watch, kind: str, microbatch: int, chunk: int, *batch):
     ("F", with ``batch``, the data it was handed), a full backward ("B"), or the split
     backward's input ("I") and weight ("W") halves. The memory meter holds what a forward saved
     until the backward that frees it: B, or W (an I keeps what its W will need)."""
-    log = next(p for p in watch.parts if isinstance(p, ScheduleLog))
-    log.pending.append((kind, microbatch, chunk))
+    _log(watch).pending.append((kind, microbatch, chunk))
     key = None if kind == "I" else (microbatch, chunk)
     return watch.phase("forward" if kind == "F" else "backward", *batch, microbatch=key)
 

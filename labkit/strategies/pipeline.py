@@ -28,8 +28,14 @@ from .. import registry
 from ..config import RunConfig
 from ..dist import RankContext
 from ..factories import Factories
-from ..pipeline_schedules import chunk_rank, implementation, rank_actions, torch_schedule_class
-from ..rank.stages import Stage, action, make_stage, stage_watch, train_stages
+from ..pipeline_schedules import (
+    chunk_rank,
+    compute_actions,
+    implementation,
+    rank_actions,
+    torch_schedule_class,
+)
+from ..rank.stages import Stage, action, make_stage, plan, stage_watch, train_stages
 from ..rank.watch import Watch
 
 
@@ -78,6 +84,7 @@ def scratch_schedule(
     """
     M, P, last = cfg.microbatches, cfg.stages, stage.total - 1
     actions = rank_actions(schedule, P, M, stage.index, stage.virtual)
+    plan(watch, actions)
     base = ctx.rank - stage.index  # global rank of this pipeline's stage 0
 
     def rank_of(chunk: int) -> int:
@@ -161,7 +168,13 @@ def torch_schedule(
         sched.step(*args, **kwargs)
         return float(torch.stack(losses).detach().mean()) if stage.last else None
 
-    step.schedule = sched  # what it runs: sched.pipeline_order_with_comms (multi-chunk classes)
+    # what it runs: the lowered actions of the multi-chunk classes; GPipe and 1F1B loop over
+    # their own order, which is labkit's (their declared pipeline_order is a picture only)
+    lowered = getattr(sched, "pipeline_order_with_comms", None)
+    if lowered:
+        plan(watch, compute_actions(lowered[stage.index]))
+    else:
+        plan(watch, rank_actions(schedule, cfg.stages, cfg.microbatches, stage.index))
     return step
 
 
