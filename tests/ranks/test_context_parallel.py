@@ -74,3 +74,11 @@ def test_activations_per_rank_are_single_s_divided_by_n():
     table = ls.activations(cfg, ns=(2,))
     # within 3 %: the embedding's input slice (a copy here) and the head's one-position input
     assert (table["error"].abs() < 0.03).all(), table
+
+
+def test_the_shipped_ring_attention_step_passes_its_grader_on_2_and_3_ranks():
+    from labkit import exercises
+
+    verdict = exercises.check("ring_attention_step", exercises.solution("ring_attention_step"))
+    assert verdict.passed is True, verdict.message
+    assert all(r["diff"] <= 1e-9 for n in (2, 3) for r in verdict.details[n])

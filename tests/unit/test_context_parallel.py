@@ -193,3 +193,53 @@ def test_llama3_s_published_128k_layout_fits_and_the_same_gpus_without_cp_do_not
     # batches on the first stage) plus one layer rebuilt, 34 s b h / (t cp)
     sbh_t = 131072 * 16384 / 8
     assert table.loc[16, "activations_GB"] == pytest.approx((128 * 2 + 34) * sbh_t / 16 / 1e9)
+
+
+# ---- the graded fill-in: ring attention's step (the grader's messages; no rank starts) ----------
+
+
+def _total(out, lse, block_out, block_lse):  # the two outputs added
+    return out + block_out, torch.logaddexp(lse, block_lse)
+
+
+def _larger(out, lse, block_out, block_lse):  # the max instead of the log-sum-exp
+    new = torch.maximum(lse, block_lse)
+    keep, take = torch.exp(lse - new), torch.exp(block_lse - new)
+    return keep.unsqueeze(-1) * out + take.unsqueeze(-1) * block_out, new
+
+
+def _overflows(out, lse, block_out, block_lse):  # exp of a log-sum-exp alone
+    new = torch.log(torch.exp(lse) + torch.exp(block_lse))
+    keep, take = torch.exp(lse - new), torch.exp(block_lse - new)
+    return keep.unsqueeze(-1) * out + take.unsqueeze(-1) * block_out, new
+
+
+def _not_rescaled(out, lse, block_out, block_lse):  # the running output kept as it was
+    new = torch.logaddexp(lse, block_lse)
+    return out + torch.exp(block_lse - new).unsqueeze(-1) * block_out, new
+
+
+@pytest.mark.parametrize(
+    "fn, says",
+    [
+        (_total, "You added the two outputs"),
+        (_larger, "the larger of the two"),
+        (_overflows, "exp(1000) overflows"),
+        (_not_rescaled, "was not rescaled"),
+    ],
+)
+def test_each_catalogued_wrong_merge_gets_its_message(fn, says):
+    from labkit import exercises
+
+    verdict = exercises.check("ring_attention_step", fn)
+    assert verdict.passed is False and says in verdict.message, verdict.message
+
+
+def test_a_blank_merge_is_not_written_yet():
+    from labkit import exercises
+
+    def my_combine(out, lse, block_out, block_lse):
+        raise NotImplementedError
+
+    verdict = exercises.check("ring_attention_step", my_combine)
+    assert verdict.passed is None and "NotImplementedError" in verdict.message
