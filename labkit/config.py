@@ -135,9 +135,9 @@ class RunConfig:
     aux_loss: float = knob(0.01, "experts: coefficient of Switch's load-balancing loss "
                            "E x sum_i f_i P_i (0: off)")  # fmt: skip
     router_skew: float = knob(0.0, "experts: added to expert 0's router logit (a skewed router)")
-    expert_groups: int | None = knob(None, "experts: token groups G per global batch, the capacity "
-                                     "counted in each; sample j in group j % G (default: one "
-                                     "per data-parallel rank)")  # fmt: skip
+    expert_groups: int | None = knob(None, "experts: token groups per global batch, the capacity "
+                                     "counted in each; sample j in group j % groups (default: "
+                                     "one per data-parallel rank)")  # fmt: skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slowdown", parse_slowdown(self.slowdown))
