@@ -160,6 +160,60 @@ def transformer(
     return nn.Sequential(Embed(in_features, hidden, seq_len), *blocks, Head(hidden, classes))
 
 
+# ---- a GPT-style language model: the shape the published memory figures describe ---------------
+
+
+class TokenEmbed(Embed):
+    """Token ids to vectors: a word embedding (vocab x hidden) plus a learned position. An
+    ``Embed``, so tensor parallelism finds its seam (``to_shard``) and replicates it."""
+
+    def __init__(self, vocab: int, hidden: int, seq_len: int):
+        nn.Module.__init__(self)
+        self.tokens = nn.Embedding(vocab, hidden)
+        self.pos = nn.Parameter(0.02 * torch.randn(seq_len, hidden))
+        self.to_shard = nn.Identity()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (batch, seq) -> (batch, seq, hidden)
+        return self.to_shard(self.tokens(ids) + self.pos[: ids.shape[1]])
+
+
+class LMHead(Head):
+    """Every position's logits over the vocabulary: a final LayerNorm and the output layer, its
+    output (batch, vocab, seq) as ``nn.CrossEntropyLoss`` takes it against (batch, seq) ids."""
+
+    def __init__(self, hidden: int, vocab: int):
+        nn.Module.__init__(self)
+        self.from_shard = nn.Identity()
+        self.ln = nn.LayerNorm(hidden)
+        self.out = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(self.from_shard(x))).transpose(1, 2)
+
+
+def lm(
+    vocab: int = 256,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seq_len: int = 16,
+    tie: bool = False,
+) -> nn.Sequential:
+    """A GPT-style language model: token and position embeddings, ``layers`` blocks, a final
+    LayerNorm and the output layer over the vocabulary (``layers + 2`` splittable blocks); it
+    predicts every position's next token. Parameters: L(12h^2 + 13h) + Vh + sh + 2h, and Vh more
+    for an output layer of its own; ``tie`` shares the word embedding with it (GPT-2, Megatron-LM;
+    not across pipeline stages, which labkit's pipelines do not keep in step)."""
+    model = nn.Sequential(
+        TokenEmbed(vocab, hidden, seq_len),
+        *[Block(hidden, heads) for _ in range(layers)],
+        LMHead(hidden, vocab),
+    )
+    if tie:
+        model[-1].out.weight = model[0].tokens.weight
+    return model
+
+
 def make_model(cfg: RunConfig) -> nn.Sequential:
     """The model a config asks for, initialised from ``cfg.seed`` (identical on every rank)."""
     torch.manual_seed(cfg.seed)

@@ -80,6 +80,23 @@ _OPS = (
     if COUNTING
     else {}
 )
+# torch's name for each operation, as a person reads it (``Traffic.ops``)
+_NAMES = (
+    {
+        HookOpName.ALLREDUCE: "all_reduce",
+        HookOpName.ALLGATHER: "all_gather",
+        HookOpName.REDUCE_SCATTER: "reduce_scatter",
+        HookOpName.BROADCAST: "broadcast",
+        HookOpName.REDUCE: "reduce",
+        HookOpName.SEND: "send",
+        HookOpName.RECV: "recv",
+        HookOpName.GATHER: "gather",
+        HookOpName.SCATTER: "scatter",
+        HookOpName.ALLTOALL: "all_to_all",
+    }
+    if COUNTING
+    else {}
+)
 HOOK_ID = 0x1AB  # one id per group: watching a group twice replaces, never doubles
 
 
@@ -98,6 +115,9 @@ class Traffic:
     untimed: int = 0  # operations whose interval in flight is unknown (gloo's point to point)
     issued: int = 0  # timed operations since the last take: each puts one interval on _done
     timing: bool = False
+    # with a dict here (``count_ops``), each operation is also tallied by (name, group size):
+    # [calls, payload, sent]; ``take`` hands it over as ``comm_ops``
+    ops: dict | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
 
@@ -120,6 +140,9 @@ class Traffic:
             if not COUNTING:  # unknown, not zero
                 out = dict.fromkeys(out, float("nan"))
             self.calls, self.payload, self.sent, self.untimed = 0, 0, 0.0, 0
+            if self.ops is not None:
+                out["comm_ops"] = {key: tuple(row) for key, row in self.ops.items()}
+                self.ops = {}
         spans, deadline = [], None
         for _ in range(issued):  # released the moment each callback runs (no polling)
             try:
@@ -144,6 +167,13 @@ _TRAFFIC = Traffic()
 def traffic() -> Traffic:
     """This process's tally (one per rank process)."""
     return _TRAFFIC
+
+
+def count_ops(on: bool = True) -> None:
+    """Also tally every operation by its name and group size (``Traffic.ops``): what a dry run
+    reports per collective (``labkit.labs.dryrun``), and a real run beside it."""
+    with _TRAFFIC._lock:
+        _TRAFFIC.ops = {} if on else None
 
 
 def _nbytes(tensors) -> int:
@@ -193,6 +223,7 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
         for name in (HookOpName.ALLREDUCE, HookOpName.REDUCE_SCATTER)
     }
     recv = int(HookOpName.RECV)
+    names = {int(name): _NAMES[name] for name in _OPS}
 
     def pre(args) -> None:
         kind = int(args.name)
@@ -206,6 +237,9 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
             _TRAFFIC.calls += 1
             _TRAFFIC.payload += payload
             _TRAFFIC.sent += on_wire
+            if _TRAFFIC.ops is not None:
+                row = _TRAFFIC.ops.setdefault((names[kind], n), [0, 0, 0.0])
+                row[0], row[1], row[2] = row[0] + 1, row[1] + payload, row[2] + on_wire
         if _TRAFFIC.timing:
             started[args.op_id] = (op, time.perf_counter(), payload)
 

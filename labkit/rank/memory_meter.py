@@ -16,12 +16,14 @@ with:
   buffers (BatchNorm's running statistics).
 
 Counting is by storage: every tensor is resolved to its ``untyped_storage()`` (views of one
-buffer count once), DTensors to their local shard, and a storage is weighed by ``nbytes()``
-when counted, so a buffer FSDP freed after forward weighs 0. On CPU this is exact. What no
-Python object exposes is left out and shows only in the process high-water mark
-(``peak_mem_bytes``, beside these columns): DDP's flat gradient buckets (one more gradient-sized
-buffer), allocator caching, the interpreter and libraries. On a GPU the same counts are read,
-and ``peak_mem_bytes`` is the CUDA allocator's peak (``torch.cuda.max_memory_allocated``).
+buffer count once; a storage is known by its identity, ``storage_key``, not its address, which
+is 0 for every tensor without data, as in a dry run), DTensors to their local shard, and a
+storage is weighed by ``nbytes()`` when counted, so a buffer FSDP freed after forward weighs 0.
+On CPU this is exact. What no Python object exposes is left out and shows only in the process
+high-water mark (``peak_mem_bytes``, beside these columns): DDP's flat gradient buckets (one
+more gradient-sized buffer), allocator caching, the interpreter and libraries. On a GPU the same
+counts are read, and ``peak_mem_bytes`` is the CUDA allocator's peak
+(``torch.cuda.max_memory_allocated``).
 
 The calculator that predicts these columns is ``labkit.predict.memory``; the tables that read
 them are ``labkit.labs.memory``.
@@ -51,14 +53,21 @@ def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local()
 
 
+def storage_key(s: torch.UntypedStorage) -> int:
+    """A storage's identity: the address of torch's ``StorageImpl`` behind it (``_cdata``, as in
+    torch 2.14), the same for every view of one buffer while it lives. Not ``data_ptr()``: that
+    is 0 for every storage without data (the meta device, ``FakeTensorMode``: a dry run)."""
+    return s._cdata
+
+
 def storages(tensors: Iterable[torch.Tensor | None]) -> dict[int, torch.UntypedStorage]:
-    """The distinct storages behind ``tensors``, keyed by address (views of one buffer once)."""
+    """The distinct storages behind ``tensors``, keyed by identity (views of one buffer once)."""
     out = {}
     for t in tensors:
         if torch.is_tensor(t):
             s = local(t).untyped_storage()
             if s.nbytes():
-                out[s.data_ptr()] = s
+                out[storage_key(s)] = s
     return out
 
 
@@ -134,14 +143,17 @@ class MemoryMeter:
         if not self.watching:
             yield
             return
-        skip = set(storages(self.model.parameters())) | set(storages(batch))
+        # the storages themselves, held until forward ends: a key of one that was freed could
+        # come back as a new activation's (an address reused), which would then not be counted
+        skip = {**storages(self.model.parameters()), **storages(batch)}
         acts: dict[int, torch.UntypedStorage] = {}
         copies: dict[int, torch.UntypedStorage] = {}
 
         def pack(t: torch.Tensor):
             s = local(t).untyped_storage()
-            if s.data_ptr() not in skip and s.nbytes():
-                (copies if _is_param_copy(t) else acts)[s.data_ptr()] = s
+            key = storage_key(s)
+            if key not in skip and s.nbytes():
+                (copies if _is_param_copy(t) else acts)[key] = s
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

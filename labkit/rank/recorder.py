@@ -75,6 +75,8 @@ class Recorder:
             "comm_payload_bytes": _count(traffic["comm_payload_bytes"]),
             "comm_total_s": float(timing["comm_total_s"]),
         }
+        if "comm_ops" in traffic:  # each operation by (name, group size): labkit.wire.count_ops
+            rec["comm_ops"] = traffic["comm_ops"]
         if self.loss_as != "shard_loss":
             rec[self.loss_as] = loss
         rec.update(columns)
