@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 from ..predict.schedule import (
     ScheduleCosts,
     bubble_per_stage,
+    closed_form,
     costs_from_steps,
     predict_step,
     simulate,
@@ -104,24 +105,31 @@ def gantt_vs_theory(
     ``predicted_costs`` (costs measured in other runs: a prediction), or without them on this
     step's own measured stage times, hand-offs and dispatch (a replay, and labelled one); and
     the closed form's ideal, equal stages with the same mean F/B times and free hand-offs."""
-    f = [e["end"] - e["start"] for e in events if e["kind"] == "F"] or [1.0]
-    b = [e["end"] - e["start"] for e in events if e["kind"] == "B"] or [2.0]
+
+    def mean(kind: str, default: float) -> float:
+        xs = [e["end"] - e["start"] for e in events if e["kind"] == kind]
+        return statistics.mean(xs) if xs else default
+
+    v = max(1, len({e.get("chunk", e["stage"]) for e in events}) // stages)
+    f, w = mean("F", 1.0), mean("W", 0.0)
+    b = mean("B", mean("I", 1.0) + w) if w else mean("B", 2.0)
     ideal = simulate(
         schedule,
         microbatches,
-        ScheduleCosts.uniform(stages, statistics.mean(f), statistics.mean(b)),
+        ScheduleCosts.uniform(stages, f, b, virtual=v, weight_s=w or None),
     )
     replay = predicted_costs is None
     costs = costs_from_steps([events], stages) if replay else predicted_costs
     predicted = predict_step(schedule, microbatches, costs)
     measured = statistics.mean(bubble_per_stage(events).values())
+    form = closed_form(schedule, stages, microbatches, v)
     fig = make_subplots(
         rows=3,
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.12,
         subplot_titles=(
-            f"measured, one step ({schedule}, P={stages}, M={microbatches}): bubble "
+            f"measured, one step ({schedule}, P={stages}, M={microbatches}, v={v}): bubble "
             f"{measured:.2f} in this step",
             (
                 "replayed on this step's own measured costs (a replay, not a prediction)"
@@ -131,8 +139,8 @@ def gantt_vs_theory(
             + f"<br>hand-off {1e3 * max(costs.handoff_s, default=0):.2f} ms, dispatch "
             f"{1e3 * max(costs.gap_s, default=0):.2f} ms: expected bubble "
             f"{predicted['bubble']:.2f}",
-            f"closed form, equal stages and free hand-offs: (P-1)/(M+P-1) = "
-            f"{theory_bubble(stages, microbatches):.2f}",
+            f"ideal, equal chunks and free hand-offs ({form['formula']}): "
+            f"{form['share']:.2f} of the step",
         ),
     )
     for row, evs in enumerate((events, predicted["events"], ideal), start=1):

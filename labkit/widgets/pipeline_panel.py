@@ -1,5 +1,6 @@
-"""The pipeline panel: stages, micro-batches, schedule, implementation and steps, Run/Stop, live
-per-stage progress, then the last step's timeline measured, replayed and by the closed form."""
+"""The pipeline panel: stages, micro-batches, schedule (GPipe to DualPipeV), virtual stages,
+implementation and steps, Run/Stop, live per-stage progress, then the last step's timeline
+measured, replayed and by the closed form."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import ipywidgets as W
 
 from .. import experiment
 from ..config import PIPELINE_IMPLS, RunConfig
+from ..pipeline_schedules import chunks_per_rank, implementation, spec
 from ..plots import pipeline as pipeline_charts
 from ..records import step_bubbles
-from ..registry import PIPELINES
+from ..registry import PIPELINES, STRATEGIES
 from .base import BackgroundRun
 
 
@@ -46,19 +48,29 @@ class PipelinePanel(BackgroundRun):
         self.impl = W.ToggleButtons(
             options=list(PIPELINE_IMPLS), value=base.pipeline_impl, style={"button_width": "80px"}
         )
+        self.virtual = W.IntSlider(
+            value=chunks_per_rank(STRATEGIES[base.strategy].schedule, base.virtual_stages),
+            min=1,
+            max=4,
+            description="virtual stages v",
+            style=style,
+        )
         self.controls = W.HBox(
             [
                 W.VBox([self.stages, self.microbatches, self.steps]),
-                W.VBox([self.schedule, W.HBox([W.Label("impl"), self.impl])]),
+                W.VBox([self.schedule, self.virtual, W.HBox([W.Label("impl"), self.impl])]),
             ]
         )
         self.widget = self.layout()
-        for control in (self.stages, self.microbatches, self.steps, self.schedule, self.impl):
+        for control in (self.stages, self.microbatches, self.steps, self.impl, self.virtual):
             control.observe(lambda _: self._check_controls(), names="value")
+        self.schedule.observe(self._schedule_picked, names="value")
         self._check_controls()
 
     def config(self) -> RunConfig:
-        P, naive = self.stages.value, self.schedule.value == "model_parallel"
+        P, schedule = self.stages.value, STRATEGIES[self.schedule.value].schedule
+        naive = schedule == "model_parallel"
+        takes_v = "virtual_stages" in STRATEGIES[self.schedule.value].knobs
         return self.base.replace(
             strategy=self.schedule.value,
             world_size=P,
@@ -66,16 +78,29 @@ class PipelinePanel(BackgroundRun):
             microbatches=1 if naive else self.microbatches.value,
             steps=self.steps.value,
             pipeline_impl=self.impl.value,
+            virtual_stages=self.virtual.value if takes_v else None,
         )
 
     def plan(self) -> str:
         cfg = self.config()  # raises ValueError with the fix
-        return f"{cfg.strategy} P={cfg.stages} M={cfg.microbatches} ({cfg.pipeline_impl})"
+        schedule = STRATEGIES[cfg.strategy].schedule
+        v = chunks_per_rank(schedule, cfg.virtual_stages)
+        impl = implementation(schedule, cfg.pipeline_impl)
+        return f"{cfg.strategy} P={cfg.stages} M={cfg.microbatches} v={v} ({impl})"
+
+    def _schedule_picked(self, change) -> None:
+        """A schedule with a fixed number of chunks per rank shows it; one that takes any shows
+        its default."""
+        self.virtual.value = chunks_per_rank(STRATEGIES[change["new"]].schedule)
+        self._check_controls()
 
     def _check_controls(self) -> None:
-        naive = self.schedule.value == "model_parallel"
+        s = STRATEGIES[self.schedule.value]
+        naive = s.schedule == "model_parallel"
         self.microbatches.disabled = naive  # the naive split runs one micro-batch
         self.impl.disabled = naive
+        # v: a knob of the interleaved schedules; fixed (2) for the V-shaped ones
+        self.virtual.disabled = "virtual_stages" not in s.knobs or bool(spec(s.schedule).virtual)
         self.check_controls()
 
     def execute(self, cancel: threading.Event) -> experiment.RunResult:
@@ -96,7 +121,7 @@ class PipelinePanel(BackgroundRun):
             last_step_events(result.records),
             result.records["schedule"].iloc[0],
             cfg.stages,
-            cfg.microbatches,
+            int(result.records["microbatches"].iloc[0]),
         )
         notes = "".join(
             f"<p style='color:#555'>{n}</p>" for n in result.notes if "latency-bound" in n
