@@ -27,7 +27,7 @@ def dispatch(d) -> go.Figure:
         rows=1,
         cols=2,
         subplot_titles=("before: each rank's tokens and their experts", "after the all-to-all"),
-        horizontal_spacing=0.08,
+        horizontal_spacing=0.16,
     )
     n = d.world_size
     per = d.experts // n
@@ -99,7 +99,11 @@ def dispatch(d) -> go.Figure:
 def capacity(d) -> go.Figure:
     """Per expert and source rank: the assignments its router made, kept and dropped, against
     the capacity each rank's group gives it."""
-    t = d.trips.groupby(["rank", "expert"])["kept"].agg(kept="sum", routed="count").reset_index()
+    every = pd.MultiIndex.from_product(
+        [range(d.world_size), range(d.experts)], names=["rank", "expert"]
+    )  # an expert nobody chose shows as an empty bar
+    t = d.trips.groupby(["rank", "expert"])["kept"].agg(kept="sum", routed="count")
+    t = t.reindex(every, fill_value=0).reset_index()
     fig = go.Figure()
     x = [f"e{e} from rank {r}" for r, e in zip(t["rank"], t["expert"])]
     fig.add_trace(
@@ -117,8 +121,9 @@ def capacity(d) -> go.Figure:
 
 
 def load(table: pd.DataFrame, by: str = "expert") -> go.Figure:
-    """``expert_load`` (``by="expert"``) or ``rank_load`` (``by="rank"``): each one's share of
-    the assignments per step, one panel per run, block 0; an even load is the dotted line."""
+    """``expert_load`` (``by="expert"``: each expert's share of the assignments) or
+    ``rank_load`` (``by="rank"``: each rank's share of the rows its experts computed) per step,
+    one panel per run, block 0; an even load is the dotted line."""
     t = table[table["layer"] == 0]
     runs = list(dict.fromkeys(t["run"]))
     fig = make_subplots(rows=1, cols=len(runs), subplot_titles=runs, shared_yaxes=True)
@@ -139,7 +144,8 @@ def load(table: pd.DataFrame, by: str = "expert") -> go.Figure:
                 col=c,
             )
         fig.add_hline(y=1 / g[by].nunique(), line_dash="dot", row=1, col=c)
-    fig.update_yaxes(title_text="share of assignments", row=1, col=1)
+    what = "share of assignments" if by == "expert" else "share of the rows computed"
+    fig.update_yaxes(title_text=what, row=1, col=1)
     fig.update_xaxes(title_text="step")
     fig.update_layout(height=320, title=f"Load per {by} (block 0), each run")
     return fig

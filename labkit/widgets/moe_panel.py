@@ -99,7 +99,9 @@ class MoEPanel(BackgroundRun):
 
     @property
     def table(self) -> pd.DataFrame:
-        """Every run so far: its last steps' load and drops, its bytes against the formula."""
+        """Every run so far, over its last 5 steps: the busiest expert's share over an even one,
+        the share of assignments dropped, the aux loss; the loss at the end; per step, the
+        all-to-alls' bytes sent by all ranks (``labkit.wire``) and the formula's."""
         rows = []
         for cfg, records in self.finished:
             imb = lab.imbalance(records)
@@ -108,12 +110,12 @@ class MoEPanel(BackgroundRun):
             rows.append(
                 {
                     "run": self.label(cfg),
-                    "busiest_over_even": tail["max_over_mean"].mean(),
-                    "dropped": tail["drop_fraction"].mean(),
+                    "busiest_vs_even": tail["max_over_mean"].mean(),
+                    "dropped_fraction": tail["drop_fraction"].mean(),
                     "aux_loss": tail["aux_loss"].mean(),
                     "loss": records.groupby("step")["loss"].first().iloc[-1],
-                    "a2a_kB_per_step": b["counted_sent_bytes"].sum() / 1e3 / b["step"].nunique(),
-                    "formula_kB": b["formula_bytes"].sum() / 1e3 / b["step"].nunique(),
+                    "a2a_sent_bytes": b["counted_sent_bytes"].sum() / b["step"].nunique(),
+                    "formula_bytes": b["formula_bytes"].sum() / b["step"].nunique(),
                 }
             )
         return pd.DataFrame(rows)
@@ -130,9 +132,9 @@ class MoEPanel(BackgroundRun):
     def done_message(self, result) -> str:
         row = self.table.iloc[-1]
         return (
-            f"done: {row['run']}: the busiest expert took {row['busiest_over_even']:.1f}x an even "
-            f"share and {row['dropped']:.0%} of the assignments were dropped over the last 5 "
-            f"steps ({len(self.finished)} run(s) in the table)"
+            f"done: {row['run']}: the busiest expert took {row['busiest_vs_even']:.1f}x an even "
+            f"share and {row['dropped_fraction']:.0%} of the assignments were dropped over the "
+            f"last 5 steps ({len(self.finished)} run(s) in the table)"
         )
 
 

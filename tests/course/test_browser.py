@@ -740,3 +740,46 @@ def test_tensor_parallel_panels_in_a_browser(lab, browser):
     assert panel_status(page) != before and "best: tp" in panel_status(page)
     assert not kernel_ranks(lab)
     page.close()
+
+
+def test_moe_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(
+        browser, lab, "15_mixture_of_experts.ipynb", only=("env = labkit.env_probe()", "moe_panel(")
+    )
+    wait_status(page, r"done: E=4 top-1 cf=1.25 skew=0 aux=0.01", 10)
+
+    def choose(label: str, option: str) -> None:
+        page.locator(f".widget-dropdown:has(label:text-is('{label}')) select").select_option(
+            label=option
+        )
+
+    # as a person: skew the router hard, switch the aux loss off, Run: one expert takes ~all
+    set_slider(page, "router skew (expert 0)", "6")
+    choose("aux loss coefficient", "0.0")
+    wait_status(page, r"ready: E=4 top-1 cf=1.25 skew=6 aux=0", 10)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"done: E=4 top-1 cf=1.25 skew=6 aux=0.*2 run\(s\)", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-15-skewed.png"), full_page=True)
+    assert "skew=0 aux=0.01" in shown and "Load per expert" in shown, shown[:800]
+    rows = output_table(page, "busiest vs even")
+    assert len(rows) == 2 and float(rows[1]["busiest vs even"]) > 3.5, rows  # one takes ~all
+
+    # two experts, each token to both: allowed, said before Run
+    choose("experts E", "2")
+    page.click(".widget-toggle-button:text-is('2')")
+    wait_status(page, r"ready: E=2 top-2", 10)
+
+    # Stop ends a run within a second, every rank with it
+    page.click(".widget-button:has-text('Run')")
+    deadline = time.time() + 60
+    while not kernel_ranks(lab) and time.time() < deadline:
+        time.sleep(0.1)
+    t0 = time.time()
+    page.click(".widget-button:has-text('Stop')")
+    wait_status(page, r"by the Stop button", 10)
+    assert time.time() - t0 < 5, f"Stop took {time.time() - t0:.1f} s"
+    time.sleep(1)
+    assert not kernel_ranks(lab)
+    page.close()

@@ -82,8 +82,8 @@ def test_the_panel_runs_its_preset_then_a_skewed_router_and_refuses_bad_input():
     panel.aux.value = 0.0
     panel.start().join(120)
     assert len(panel.table) == 2, panel.status.value
-    even, skewed = panel.table["dropped"]
-    assert skewed > even and panel.table["busiest_over_even"].iloc[1] > 3.5  # one expert, ~all
+    even, skewed = panel.table["dropped_fraction"]
+    assert skewed > even and panel.table["busiest_vs_even"].iloc[1] > 3.5  # one expert, ~all
     panel.experts.value = 2
     panel.top_k.value = 2
     assert not panel.run_button.disabled  # top-2 of 2 experts is allowed
