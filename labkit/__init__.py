@@ -34,6 +34,7 @@ _LAZY = {
     "elastic_panel": "widgets",
     "sched_panel": "widgets",
     "moe_panel": "widgets",
+    "cp_panel": "widgets",
 }
 _SUBMODULES = (
     "registry",

@@ -114,12 +114,12 @@ def work(
     head_dim: int = 1,
 ) -> pd.DataFrame:
     """Each rank's attention work counted from the schedule: tiles by kind, ``computed`` (full +
-    diagonal: a diagonal tile is computed whole, then masked), and with a shape the FLOPs:
-    4 b H d c^2 forward and 10 b H d c^2 backward per computed c x c tile (two matrix
-    products forward; backward recomputes the scores and makes four more). ``seq_len`` None:
-    FLOPs in units of one (s/2N)^2 tile's, the same unit for both layouts (a contiguous
-    chunk is two zig-zag chunks long: four units). ``imbalance``: the rank's computed share
-    over the mean's."""
+    diagonal: a diagonal tile is computed whole, then masked), and the FLOPs: 4 b H d c^2
+    forward and 10 b H d c^2 backward per computed c x c tile (two matrix products forward;
+    backward recomputes the scores and makes four more). ``seq_len`` None: the work in units
+    of one (s/2N)^2 tile's forward, the same unit for both layouts (a contiguous chunk is two
+    zig-zag chunks long: its tile is four units). ``imbalance``: the rank's work over the
+    mean's."""
     _check(n, layout)
     steps = ring_steps(n, layout, causal)
     counts = steps.groupby(["rank", "kind"]).size().unstack(fill_value=0)
@@ -127,15 +127,16 @@ def work(
     for kind in (cp.FULL, cp.DIAGONAL, cp.SKIPPED):
         df[kind] = [int(counts.loc[r, kind]) if kind in counts else 0 for r in range(n)]
     df["computed"] = df[cp.FULL] + df[cp.DIAGONAL]
-    if seq_len is None:  # in (s/2N)^2 units
-        tile, per = 1.0, (4.0 if layout == "contiguous" else 1.0)
+    if seq_len is None:  # in (s/2N)^2 tiles' forward work
+        per = (4.0 if layout == "contiguous" else 1.0) * df["computed"]
+        df["flops_forward"], df["flops_backward"] = per, 2.5 * per
     else:
         c = cp.chunk_len(n, seq_len, layout)
-        tile, per = float(batch * heads * head_dim * c * c), 1.0
-    df["flops_forward"] = 4 * tile * per * df["computed"]
-    df["flops_backward"] = 10 * tile * per * df["computed"]
+        tile = float(batch * heads * head_dim * c * c)
+        df["flops_forward"] = 4 * tile * df["computed"]
+        df["flops_backward"] = 10 * tile * df["computed"]
     df["imbalance"] = df["flops_forward"] / df["flops_forward"].mean()
-    df.attrs["units"] = "(s/2N)^2 tiles" if seq_len is None else "FLOPs"
+    df.attrs["units"] = "(s/2N)² tiles" if seq_len is None else "FLOPs"
     return df
 
 
@@ -220,6 +221,7 @@ def _measure_rank(ctx, layout, method, shape, causal, warmup, repeats) -> list[d
         out.backward(dout[:, :, pos])
         t2 = time.perf_counter()
         backward = tally.take()
+        ctx.report(step=i + 1, total=warmup + repeats)
         if i >= warmup:
             rows.append(
                 {
@@ -253,11 +255,15 @@ def measure(
     warmup: int = 1,
     repeats: int = 3,
     timeout_s: float = 120.0,
+    on_progress=None,
+    cancel=None,
 ) -> pd.DataFrame:
     """One attention layer's forward and backward on ``n`` rank processes, ``repeats`` times
     after ``warmup``: per rank and repeat, wall seconds forward and backward, the ring's compute
     seconds (tiles only, waits excluded; NaN for Ulysses), the tiles and FLOPs it computed, and
-    the bytes and operations it put on the process group each way (``labkit.wire``)."""
+    the bytes and operations it put on the process group each way (``labkit.wire``).
+    ``on_progress(rank, {"step", "total"})`` after each repeat; ``cancel``: an Event that stops
+    every rank (a panel's Stop)."""
     _check(n, layout, method)
     cp.chunk_len(n, seq_len, layout)
     if method == "ulysses" and heads % n:
@@ -269,6 +275,8 @@ def measure(
         args=(layout, method, shape, causal, warmup, repeats),
         device="cpu",
         timeout_s=timeout_s,
+        on_progress=on_progress,
+        cancel=cancel,
     )
     df = pd.DataFrame([row for rows in per_rank for row in rows])
     df["layout"], df["method"], df["n"] = layout, method, n
@@ -482,3 +490,34 @@ def published_long_context(reserve: float = 0.1) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     out.attrs["source"] = LLAMA3_SOURCE
     return out
+
+
+# ---- torch's own context parallelism, tried on this machine's ranks ----------------------------
+
+
+def _torch_cp_rank(ctx, seq_len: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    q, k, v, _ = _inputs(1, 2, seq_len, 8, torch.float32)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    buffers = [t.clone() for t in (q, k, v)]  # sharded along the sequence in place
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            out = torch.nn.functional.scaled_dot_product_attention(*buffers, is_causal=True)
+        (whole,) = context_parallel_unshard(mesh, [out], [2])
+        return {"ran": True, "diff": float((whole - dense).abs().max()), "error": ""}
+    except Exception as exc:  # what torch says, kept word for word
+        return {"ran": False, "diff": float("nan"), "error": f"{type(exc).__name__}: {exc}"}
+
+
+def torch_context_parallel(n: int = 2, seq_len: int = 16) -> pd.DataFrame:
+    """torch's own ``torch.distributed.tensor.experimental.context_parallel`` (its ring
+    attention over a ``DeviceMesh``) on ``n`` rank processes of this machine's device: per
+    rank, whether causal attention ran and its difference from dense attention, or the error
+    torch raised. On CPU with torch 2.14, ``scaled_dot_product_attention`` dispatches to
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, for which context parallelism has no
+    ring handler (it has them for the CUDA flash, efficient and cuDNN kernels)."""
+    return pd.DataFrame(launch(_torch_cp_rank, n, args=(seq_len,), device="auto", timeout_s=120))

@@ -4,6 +4,7 @@ module per lab's panel."""
 from .balance_panel import BalancePanel, balance_panel
 from .base import BackgroundRun, mime_output
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
+from .cp_panel import CPPanel, cp_panel
 from .elastic_panel import ElasticPanel, elastic_panel
 from .layout_panel import AdvisorPanel, LayoutPanel, advisor_panel, layout_panel
 from .memory_panel import MemoryPanel, memory_panel
@@ -41,4 +42,6 @@ __all__ = [
     "layout_panel",
     "AdvisorPanel",
     "advisor_panel",
+    "CPPanel",
+    "cp_panel",
 ]
