@@ -15,6 +15,8 @@ Every picture of the course is made from what the code did, not drawn by hand:
 * ``pipeline_order(schedule, P, M)``: the order the pipeline executor runs
   (``labkit.pipeline_schedules``), laid out in unit time (a forward 1, a backward 2) by the
   simulator the predictions use.
+* ``ddp_buckets(cfg)``: a real DDP run's step per rank, its phases beside each bucket's
+  all-reduce in flight: the buckets leaving while backward goes on.
 
 ``labkit.plots.mechanisms`` draws each of them.
 """
@@ -33,6 +35,7 @@ from ..dist import fake_rank, on_threads
 from ..models import make_model
 from ..pipeline_schedules import SCHEDULES
 from ..predict.schedule import ScheduleCosts, simulate
+from ..rank.probes import PHASES
 from ..registry import STRATEGIES
 
 COLLECTIVES = (
@@ -369,3 +372,39 @@ def pipeline_order(
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     m = 1 if schedule == "model_parallel" else microbatches
     return simulate(schedule, m, ScheduleCosts.uniform(stages, 1.0, backward))
+
+
+def ddp_buckets(cfg: RunConfig, step: int | None = None) -> pd.DataFrame:
+    """DDP's buckets overlapping backward, from a real run of ``cfg`` (DDP's strategy; Li et
+    al. 2020, arXiv:2006.15704): one measured ``step`` (default: the last) on every rank, as
+    two lanes. *compute*: the step's phases end to end as the probe timed them
+    (``labkit.rank.probes.PHASES``: data, forward, backward, ..., optimizer; under DDP
+    ``comm`` is the part of backward the all-reduces added, ``sync_overhead`` DDP's own
+    machinery). *all-reduce*: every collective DDP handed the process group, from that moment
+    to its completion, with its bytes (``labkit.wire``'s timing, the records' ``comm_spans``).
+    Rows: rank, lane, name, start and end (seconds from rank 0's step start), bytes."""
+    if STRATEGIES[cfg.strategy].grad_sync != "buckets":
+        raise ValueError(
+            f"ddp_buckets draws DDP's buckets: {cfg.strategy!r} does not average gradients in "
+            f"them, pick a strategy whose registry row has grad_sync='buckets' (ddp)"
+        )
+    from .. import experiment  # the run: only this picture needs one
+
+    records = experiment.run(cfg).records
+    at = int(records["step"].max()) if step is None else step
+    rows = records[records["step"] == at].sort_values("rank")
+    if rows.empty:
+        last = records["step"].max()
+        raise ValueError(f"no measured step {at}: the run measured steps 0..{last}")
+    origin = float(rows["start_s"].min())
+    out = []
+    for rec in rows.to_dict("records"):
+        t = rec["start_s"]
+        for phase in PHASES:
+            dur = float(rec.get(f"{phase}_s", 0.0) or 0.0)
+            if dur > 0:
+                out.append((rec["rank"], "compute", phase, t - origin, t + dur - origin, 0))
+                t += dur
+        for op, a, b, nbytes in rec.get("comm_spans") or []:
+            out.append((rec["rank"], "all-reduce", op, a - origin, b - origin, int(nbytes)))
+    return pd.DataFrame(out, columns=["rank", "lane", "name", "start", "end", "bytes"])

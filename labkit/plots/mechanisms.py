@@ -348,3 +348,61 @@ def tensor_cut(table: pd.DataFrame, block: str = "1") -> go.Figure:
         plot_bgcolor="white",
     )
     return fig
+
+
+_PHASE_COLORS = {"data": "#bab0ac", "forward": "#4c78a8", "backward": "#72b7b2", "wait": "#dddddd",
+                 "comm": "#e45756", "sync_overhead": "#ff9da6", "optimizer": "#54a24b",
+                 "other": "#eeeeee"}  # fmt: skip
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _span(lane: str, row, **style) -> go.Bar:
+    """One interval of ``labs.mechanisms.ddp_buckets`` as a horizontal bar, in ms."""
+    width = 1e3 * (row.end - row.start)
+    return go.Bar(y=[lane], x=[width], base=[1e3 * row.start], orientation="h", **style)
+
+
+def ddp_buckets(table: pd.DataFrame) -> go.Figure:
+    """One DDP step per rank (``labs.mechanisms.ddp_buckets``): the phases the probe timed, and
+    under them each bucket's all-reduce in flight, labelled with its size; buckets in flight at
+    once take a lane each."""
+    fig = go.Figure()
+    lanes, shown = [], set()
+    for rank, g in table.groupby("rank"):
+        lanes.append(f"rank {rank}")
+        for row in g[g["lane"] == "compute"].itertuples():
+            color = _PHASE_COLORS.get(row.name, "#999999")
+            hover = f"{row.name}: %{{x:.2f}} ms<extra>rank {rank}</extra>"
+            fig.add_trace(
+                _span(f"rank {rank}", row, marker_color=color, name=row.name,
+                      legendgroup=row.name, showlegend=row.name not in shown,
+                      hovertemplate=hover)
+            )  # fmt: skip
+            shown.add(row.name)
+        ends: list[float] = []  # per all-reduce lane, where its last bucket ended
+        for row in g[g["lane"] == "all-reduce"].sort_values("start").itertuples():
+            k = next((i for i, end in enumerate(ends) if end <= row.start), len(ends))
+            ends[k : k + 1] = [row.end]
+            lane = f"rank {rank} all-reduce" + (f" ({k + 1})" if k else "")
+            if lane not in lanes:
+                lanes.append(lane)
+            hover = f"{_size(row.bytes)}: %{{x:.2f}} ms in flight<extra></extra>"
+            fig.add_trace(
+                _span(lane, row, marker_color="#f58518", text=[_size(row.bytes)],
+                      textposition="inside", name="a bucket's all-reduce", legendgroup="bucket",
+                      showlegend="bucket" not in shown, hovertemplate=hover)
+            )  # fmt: skip
+            shown.add("bucket")
+    fig.update_layout(
+        title="DDP, one step per rank: the buckets' all-reduces leave while backward runs",
+        barmode="overlay",
+        xaxis_title="ms from the step's start",
+        yaxis=dict(autorange="reversed", categoryorder="array", categoryarray=lanes),
+        height=160 + 40 * len(lanes),
+        uniformtext_minsize=8,
+        uniformtext_mode="hide",
+    )
+    return fig

@@ -35,6 +35,24 @@ def test_notebooks_are_numbered_once_each_from_00():
     assert len(set(numbers)) == len(numbers), numbers
 
 
+# one sitting (COURSE.md, habit 2): about 30 cells and 1,500 words of prose; the "about" is
+# this much, and no more
+MOST_CELLS, MOST_WORDS = 31, 1650
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_notebook_is_one_sitting(path):
+    nb = cells(path)
+    words = sum(len(text(c).split()) for c in nb if c["cell_type"] == "markdown")
+    assert len(nb) <= MOST_CELLS and words <= MOST_WORDS, f"{len(nb)} cells, {words} prose words"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_each_lesson_ends_with_a_summary_and_exercises(path):
+    headings = [text(c).splitlines()[0] for c in cells(path) if c["cell_type"] == "markdown"]
+    assert "## Summary" in headings and headings[-1] == "## Exercises", headings[-3:]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_no_development_log_in_a_lesson(path):
     nb = cells(path)

@@ -188,3 +188,25 @@ def test_the_tensor_parallel_cut_is_the_hand_written_split_and_adds_up():
     fig = pm.tensor_cut(t)
     assert len(fig.layout.shapes) == 4 * 2  # four weights, one slice per rank
     assert [a.text for a in fig.layout.annotations].count("<b>g</b>") == 2
+
+
+def test_ddp_buckets_refuses_a_strategy_without_buckets_and_draws_each_bucket_in_its_lane():
+    from labkit import RunConfig
+
+    with pytest.raises(ValueError, match="grad_sync='buckets'"):
+        m.ddp_buckets(RunConfig(strategy="ddp_naive", world_size=2))  # before anything runs
+    import pandas as pd
+
+    # two buckets in flight at once: the second takes a lane of its own
+    rows = [
+        (0, "compute", "forward", 0.0, 1.0, 0),
+        (0, "compute", "backward", 1.0, 3.0, 0),
+        (0, "all-reduce", "all_reduce", 1.5, 2.5, 2**20),
+        (0, "all-reduce", "all_reduce", 2.0, 3.0, 2**10),
+    ]
+    columns = ["rank", "lane", "name", "start", "end", "bytes"]
+    fig = pm.ddp_buckets(pd.DataFrame(rows, columns=columns))
+    lanes = [t.y[0] for t in fig.data]
+    assert lanes == ["rank 0", "rank 0", "rank 0 all-reduce", "rank 0 all-reduce (2)"]
+    assert [t.text[0] for t in fig.data[2:]] == ["1.0 MiB", "1 KiB"]
+    assert [t.base[0] for t in fig.data] == [0.0, 1e3, 1.5e3, 2e3]  # ms from the step's start
