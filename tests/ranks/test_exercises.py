@@ -55,17 +55,10 @@ def test_every_blank_is_not_written_yet_and_every_solution_passes(solved):
 
 
 def test_with_labkit_solutions_a_blank_is_graded_as_the_shipped_solution(monkeypatch):
-    monkeypatch.setenv("LABKIT_SOLUTIONS", "1")
-    verdict = exercises.check("join_shadow", blank)
+    monkeypatch.setenv("LABKIT_SOLUTIONS", "1")  # the solution, sent by value to real ranks
+    verdict = exercises.check("column_parallel_linear", blank)
     assert verdict.passed is True and verdict.graded == "solution"
     assert verdict.message.startswith("(Graded the shipped solution, LABKIT_SOLUTIONS=1")
-
-    def summed(model):  # a written answer is graded as it is, even so
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-
-    mine = exercises.check("average_gradients", summed)
-    assert mine.passed is False and mine.graded == "yours"
 
 
 def test_what_the_solutions_sent_is_what_the_formulas_say(solved):
