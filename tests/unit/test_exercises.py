@@ -52,7 +52,7 @@ def fake(monkeypatch, tmp_path):
     def grade(fn, timeout_s):
         try:
             ok = fn()
-        except NotImplementedError:
+        except NotImplementedError:  # as a launch raises it: from a rank
             raise RankError(0, 2, "Traceback ...\nNotImplementedError: your answer") from None
         return _core.Verdict("fake", ok, "graded")
 
@@ -76,6 +76,15 @@ def test_a_blank_is_not_written_yet_unless_labkit_solutions_grades_the_solution(
     assert "LABKIT_SOLUTIONS=1" in verdict.message
     mine = exercises.check("fake", lambda: False)  # a written answer is graded as it is
     assert mine.passed is False and mine.graded == "yours"
+
+
+def test_a_blank_tried_in_this_process_is_not_written_yet_either(fake, monkeypatch):
+    def here(fn, timeout_s):  # a grader that calls the function in the caller first
+        return _core.Verdict("fake", fn(), "graded")
+
+    monkeypatch.setitem(_core.EXERCISES, "fake", _core.Exercise("fake", here, "00", "", "my_fake",
+                                                                 "advice"))  # fmt: skip
+    assert exercises.check("fake", blank).passed is None
 
 
 def test_a_hang_names_each_rank_and_the_call_it_waits_in(fake, monkeypatch):
