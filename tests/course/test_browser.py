@@ -682,6 +682,45 @@ def test_scheduling_panel_in_a_browser(lab, browser):
     page.close()
 
 
+def test_long_sequences_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(
+        browser, lab, "14_long_sequences.ipynb", only=("from labkit.labs import long_", "cp_panel(")
+    )
+    wait_status(page, r"done: ring zigzag s=1024 N=2", 10)
+    assert "ring zigzag s=1024 N=2" in panel_output(page)
+
+    # as a person: zig-zag off, Run: contiguous beside zig-zag, each rank's tiles as scheduled
+    page.click(".widget-checkbox input")
+    wait_status(page, r"ready: ring attention, contiguous, s = 1024 over N = 2", 10)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"done: ring contiguous s=1024 N=2.*2 run\(s\)", 120)
+    rows = output_table(page, "full")
+    page.screenshot(path=str(OUT / "browser-14-contiguous.png"), full_page=True)
+    full = {(r["run"].split()[1], r["rank"]): r["full"] for r in rows}  # layout, rank
+    assert [full[("zigzag", r)] for r in "01"] == ["3", "3"], rows  # even
+    assert [full[("contiguous", r)] for r in "01"] == ["0", "1"], rows  # rank 1's tile on top
+
+    # Ulysses on 4 ranks (oversubscribed here, and the ready line says so), then Stop a long
+    # ring: every rank ends with it
+    page.click(".widget-toggle-button:text-is('ulysses')")
+    page.click(".widget-toggle-button:text-is('4')")
+    wait_status(page, r"ready: ulysses attention, contiguous, s = 1024 over N = 4", 10)
+    page.click(".widget-toggle-button:text-is('ring')")
+    page.locator(".widget-dropdown select").first.select_option("4096")
+    page.click(".widget-button:has-text('Run')")
+    deadline = time.time() + 60
+    while not kernel_ranks(lab) and time.time() < deadline:
+        time.sleep(0.1)
+    t0 = time.time()
+    page.click(".widget-button:has-text('Stop')")
+    wait_status(page, r"by the Stop button", 10)
+    assert time.time() - t0 < 5, f"Stop took {time.time() - t0:.1f} s"
+    time.sleep(1)
+    assert not kernel_ranks(lab)
+    page.close()
+
+
 def test_tensor_parallel_panels_in_a_browser(lab, browser):
     OUT.mkdir(exist_ok=True)
     page = open_and_run_all(
