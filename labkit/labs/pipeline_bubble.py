@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from .. import experiment
 from ..config import RunConfig
 from ..models import even_bounds, make_model, split
 from ..pipeline_schedules import chunk_rank, chunks_per_rank, implementation, rank_actions
@@ -73,7 +74,7 @@ def schedule_order(strategy: str, stages: int = 2, microbatches: int = 4, virtua
         "stages": stages,
         "microbatches": M,
         "virtual": v,
-        "placement": {c: chunk_rank(schedule, stages, c) for c in range(stages * v)},
+        "rank_of": {c: chunk_rank(schedule, stages, c) for c in range(stages * v)},
         "actions": actions,
         "events": simulate(schedule, M, costs),
     }
@@ -242,3 +243,14 @@ def bubble_table(
                 }
             )
     return pd.DataFrame(rows)
+
+
+def sweep(base: RunConfig, strategies: Sequence[str], counts: Sequence[int]) -> pd.DataFrame:
+    """Every strategy at every micro-batch count, one run each (``base`` otherwise): the
+    records ``bubble_table`` reads."""
+    runs = [
+        experiment.run(base.replace(strategy=s, microbatches=M)).records
+        for s in strategies
+        for M in counts
+    ]
+    return pd.concat(runs, ignore_index=True)

@@ -41,22 +41,29 @@ def _local_chunk(events: Sequence[dict]) -> dict[tuple[int, int], int]:
     return {(s, c): i for s, cs in held.items() for i, c in enumerate(sorted(cs))}
 
 
-def _gantt_traces(events: Sequence[dict], show_legend: bool = True) -> list[go.Bar]:
+def _gantt_traces(
+    events: Sequence[dict], show_legend: bool = True, like: Sequence[dict] | None = None
+) -> list[go.Bar]:
     """One bar per action, one trace per kind and (with several chunks per rank) per the
-    chunk's place on its rank; the bar's text is its micro-batch, its hover names the chunk."""
-    local = _local_chunk(events)
-    several = max(local.values(), default=0) > 0
+    chunk's place on its rank; the bar's text is its micro-batch, its hover names the chunk.
+    ``like``: the events whose traces to draw (an animation's frames draw the same traces as
+    the whole step, some of them still empty)."""
+    like = events if like is None else like
+    local = _local_chunk(like)
+    places = 1 + max(local.values(), default=0)
+    present = {(e["kind"], local[e["stage"], e.get("chunk", e["stage"])]) for e in like}
     traces = []
     for kind in ("F", "B", "I", "W"):
-        for k in range(1 + max(local.values(), default=0)):
+        for k in range(places):
+            split = kind == "B" and any(kk == "I" for kk, _ in present)  # no full backward
+            if (kind, k) not in present and (kind in ("I", "W") or k or split):
+                continue
             evs = [
                 e
                 for e in events
                 if e["kind"] == kind and local[e["stage"], e.get("chunk", e["stage"])] == k
             ]
-            if not evs and (kind in ("I", "W") or k):
-                continue
-            name = _NAMES[kind] + (f", chunk {k + 1} of the rank" if several else "")
+            name = _NAMES[kind] + (f", chunk {k + 1} of the rank" if places > 1 else "")
             traces.append(
                 go.Bar(
                     orientation="h",
@@ -129,7 +136,8 @@ def gantt_vs_theory(
         shared_xaxes=True,
         vertical_spacing=0.12,
         subplot_titles=(
-            f"measured, one step ({schedule}, P={stages}, M={microbatches}, v={v}): bubble "
+            f"measured, one step ({schedule}, P={stages}, M={microbatches}"
+            f"{f', v={v}' if v > 1 else ''}): bubble "
             f"{measured:.2f} in this step",
             (
                 "replayed on this step's own measured costs (a replay, not a prediction)"
@@ -228,19 +236,24 @@ def _n_stages(events: Iterable[dict]) -> int:
     return len({e["stage"] for e in events}) or 1
 
 
-def order_in_time(order: dict, title: str | None = None) -> go.Figure:
+def order_in_time(order: dict, title: str | None = None, frames: int = 12) -> go.Figure:
     """A schedule's own order (``labkit.labs.pipeline_bubble.schedule_order``) laid out in unit
-    time, with a slider (and Play) that adds one time unit at a time: the pipe filling, each
-    rank's chunks by shade, the zero-bubble split's W filling the gaps; white is the bubble."""
+    time, with a slider (and Play) that moves time on in up to ``frames`` steps: the pipe
+    filling, each rank's chunks by shade, the zero-bubble split's W filling the gaps; white is
+    the bubble."""
     events = order["events"]
     end = max(e["end"] for e in events)
     P = order["stages"]
-    times = sorted({e["end"] for e in events})
+    ends = sorted({e["end"] for e in events})
+    times = [ends[round(i * (len(ends) - 1) / max(1, frames - 1))] for i in range(frames)]
+    times = sorted(set(times))
     frames = [
-        go.Frame(data=_gantt_traces([e for e in events if e["end"] <= t]), name=f"{t:g}")
+        go.Frame(
+            data=_gantt_traces([e for e in events if e["end"] <= t], like=events), name=f"{t:g}"
+        )
         for t in times
     ]
-    fig = go.Figure(data=_gantt_traces(events), frames=frames)
+    fig = go.Figure(data=frames[-1].data, frames=frames)
     v = order["virtual"]
     fig.update_layout(
         title=title
