@@ -143,7 +143,7 @@ def latency_note(costs: ScheduleCosts, microbatches: int) -> str | None:
     return (
         f"micro-batches are latency-bound: each costs {1e3 * compute:.2f} ms of compute (F+B) "
         f"on its fastest stage, but {1e3 * overhead:.2f} ms of hand-off and dispatch, which "
-        f"the closed form (P-1)/(M+P-1) counts as zero; the measured bubble sits above it. "
+        f"the closed form counts as zero; the measured bubble sits above it. "
         f"Fewer micro-batches (M={microbatches} now), a larger global batch or a wider "
         f"model give each micro-batch more compute per message"
     )

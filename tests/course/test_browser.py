@@ -822,3 +822,39 @@ def test_moe_panel_in_a_browser(lab, browser):
     time.sleep(1)
     assert not kernel_ranks(lab)
     page.close()
+
+
+def test_pipeline_schedules_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(
+        browser, lab, "05_pipeline_schedules.ipynb",
+        only=("env = labkit.env_probe()", "pipeline_panel(base)"),
+    )  # fmt: skip
+    wait_status(page, r"done: pipeline_interleaved P=2 M=4 v=2 \(scratch\)", 10)
+    assert "measured, one step (interleaved, P=2, M=4, v=2)" in panel_output(page)
+
+    # as a person: pick DualPipeV (v fixed at 2), try labkit's executor (refused, with the
+    # fix), go back to auto (torch's), Run: the Gantt draws its split backward
+    selects = page.locator(".widget-dropdown select")
+    selects.nth(1).select_option("pipeline_dualpipev")  # schedule
+    wait_status(page, r"ready: pipeline_dualpipev P=2 M=4 v=2 \(torch\)", 10)
+    page.click(".widget-toggle-button:text-is('scratch')")
+    wait_status(page, r"cannot run: .*set pipeline_impl='torch'", 10)
+    page.click(".widget-toggle-button:text-is('auto')")
+    wait_status(page, r"ready: pipeline_dualpipev", 10)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"done: pipeline_dualpipev P=2 M=4 v=2 \(torch\)", 120)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-05-dualpipev.png"), full_page=True)
+    assert "measured, one step (dualpipev, P=2, M=4, v=2)" in shown, shown[:800]
+    assert "input (I)" in shown and "weights (W)" in shown, shown[:800]
+
+    # interleaving sends micro-batches round in groups of P: M=1 is refused before anything runs
+    selects.nth(1).select_option("pipeline_interleaved")
+    set_slider(page, "virtual stages v", "3")
+    wait_status(page, r"ready: pipeline_interleaved P=2 M=4 v=3", 10)
+    selects.nth(0).select_option("1")  # micro-batches
+    wait_status(page, r"cannot run: .*set microbatches to a multiple of 2", 10)
+    time.sleep(1)
+    assert not kernel_ranks(lab)
+    page.close()
