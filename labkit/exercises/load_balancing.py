@@ -76,17 +76,19 @@ def _join_rank(ctx, fn, logs: list[str]) -> dict:
     sync = _Graded(model, fn, log)
     data = _batches(n)
     log.phase = "join"
-    with Join([sync]):
-        for x, y in data[r]:
-            opt.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            log.phase = "join"
-            sync.notify()
-            log.phase = "gradients"
-            sync.reduce(ROWS)
-            log.phase = "join"
-            opt.step()
-    log.close()
+    try:
+        with Join([sync]):
+            for x, y in data[r]:
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                log.phase = "join"
+                sync.notify()
+                log.phase = "gradients"
+                sync.reduce(ROWS)
+                log.phase = "join"
+                opt.step()
+    finally:
+        log.close()
     # one device, each step on the union of the batches the ranks still had; a rank that
     # joined stopped stepping: it holds what one device held after as many steps
     single = _model()
