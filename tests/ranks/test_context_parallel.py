@@ -82,3 +82,14 @@ def test_the_shipped_ring_attention_step_passes_its_grader_on_2_and_3_ranks():
     verdict = exercises.check("ring_attention_step", exercises.solution("ring_attention_step"))
     assert verdict.passed is True, verdict.message
     assert all(r["diff"] <= 1e-9 for n in (2, 3) for r in verdict.details[n])
+
+
+def test_torch_s_own_context_parallel_on_these_ranks_runs_equal_or_says_why_not():
+    """torch.distributed.tensor.experimental.context_parallel: on CPU (torch 2.14) it has no ring
+    for the CPU attention kernel, which the lesson and benchmarks/README.md say; should a torch
+    run it, it must equal dense attention (then add it as a third way)."""
+    tried = ls.torch_context_parallel()
+    if tried["ran"].all():
+        assert (tried["diff"] <= 1e-5).all(), tried
+    else:
+        assert tried["error"].str.contains("_scaled_dot_product_flash_attention_for_cpu").all()
