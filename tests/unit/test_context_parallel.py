@@ -47,9 +47,10 @@ def test_zigzag_gives_every_rank_the_same_work_and_contiguous_does_not():
         assert (zig["skipped"] == 2 * n - 1).all()
         assert zig["flops_forward"].nunique() == 1
         # contiguous: rank r computes r whole tiles and its diagonal: the last rank N times
-        # the first's work (in (s/2N)^2 units: 4 per s/N tile)
+        # the first's work (in (s/2N)^2 units: 4 per s/N tile); zig-zag 2N + 1 units each
         assert con["full"].tolist() == list(range(n))
-        assert con["flops_forward"].tolist() == [16.0 * (r + 1) for r in range(n)]
+        assert con["flops_forward"].tolist() == [4.0 * (r + 1) for r in range(n)]
+        assert zig["flops_forward"].tolist() == [2.0 * n + 1] * n
         assert con["imbalance"].max() == pytest.approx(2 * n / (n + 1))
 
 
