@@ -155,6 +155,9 @@ STRATEGIES: dict[str, Strategy] = {
                  summary="the same split through DTensor's parallelize_module"),
         Strategy("dp_tp", "dp_tp", "composed", knobs=LOOP | ACCUMULATE | TENSOR,
                  colour="#98df8a", summary="data x tensor: dp replicas of a tp group, 2-D mesh"),
+        Strategy("fsdp_tp", "fsdp_tp", "composed", knobs=LOOP | ACCUMULATE | TENSOR,
+                 zero_stage=3, dtensor=True, colour="#637939",
+                 summary="FSDP x TP: each layer split over tp ranks, FSDP2 across the groups"),
         Strategy("dp_pp", "dp_pp", "composed", knobs=PIPELINE - {"pipeline_impl"},
                  schedule="1f1b", colour="#17becf",
                  summary="data x pipeline: dp copies of a 1F1B pipeline on a 2-D mesh"),
@@ -178,8 +181,8 @@ STRATEGIES: dict[str, Strategy] = {
                  float32_only="hogwild's ranks share one float32 buffer of parameters",
                  colour="#8c564b",
                  summary="Hogwild: one shared-memory model, updated without locks"),
-        Strategy("ep", "ep", "expert_parallel", knobs=MOE | {"precision", "profile_dir"},
-                 colour="#637939",
+        Strategy("ep", "ep", "expert_parallel", knobs=MOE | {"ep", "precision", "profile_dir"},
+                 colour="#393b79",
                  summary="expert parallelism: experts over the ranks, tokens sent by all-to-all"),
     )
 }

@@ -46,7 +46,11 @@ OPTIMIZERS = {"sgd": 0, "sgd_momentum": 4, "adam": 8}  # fp32 state bytes per pa
 PRECISIONS = ("fp32", "bf16", "fp16")
 # what calculate() traces exactly: every strategy the registry gives a ZeRO stage (DDP, by hand
 # or not, and DataParallel hold stage 0's bytes; FSDP is ZeRO-3; HSDP ZeRO-3 within a group)
-STRATEGIES = tuple(n for n, s in registry.STRATEGIES.items() if s.zero_stage is not None)
+STRATEGIES = tuple(
+    n
+    for n, s in registry.STRATEGIES.items()
+    if s.zero_stage is not None and "tp" not in s.knobs  # FSDP x TP also splits the layers
+)
 # transformer(): the ZeRO stage of each, and the paper's stages 2 and 3 by name
 STAGES = {**{n: registry.get(n).zero_stage for n in STRATEGIES}, "zero2": 2, "zero3": 3}
 RECIPES = ("paper", "deepspeed")  # bytes per parameter of the large-model formulas

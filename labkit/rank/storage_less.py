@@ -31,6 +31,7 @@ of a model already on its device swaps every parameter, which the fake mode forb
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from unittest import mock
@@ -40,7 +41,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten
 
 from ..dist import RankContext, cleanup
 
@@ -53,9 +53,21 @@ NOTES = {
     "make one tensor per rank for every parameter)",
     "module_to": "Module.to() of a model already on the device it is sent to returns it as it "
     "is (torch would swap every storage-less parameter, which the fake mode forbids)",
+    "dtensor_tracing": "DTensor takes a fake mode for tracing and then caches nothing: told it "
+    "is not tracing (its plans are cached as in a real run)",
 }
 
-_FUNCTIONAL = torch.ops._c10d_functional
+_F = torch.ops._c10d_functional
+# the functional collectives (DTensor's), whose real kernels call the process group; the rest
+# of the namespace (waiting on one, wrapping its result for autograd) sends nothing
+_FUNCTIONAL = {
+    _F.all_reduce, _F.all_reduce_, _F.all_reduce_coalesced, _F.all_reduce_coalesced_,
+    _F.all_gather_into_tensor, _F.all_gather_into_tensor_out,
+    _F.all_gather_into_tensor_coalesced, _F.reduce_scatter_tensor, _F.reduce_scatter_tensor_out,
+    _F.reduce_scatter_tensor_coalesced, _F.all_to_all_single, _F.broadcast, _F.broadcast_,
+    _F.isend, _F.irecv, _F.batch_p2p_ops,
+}  # fmt: skip
+_SCALAR = torch.ops.aten._local_scalar_dense.default
 _PYTHON = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
 _INTEGER = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 
@@ -70,21 +82,27 @@ class StorageLess(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if types:  # tensors without data (FakeTensor) or wrapping them (DTensor): the fake
+            namespace = func.namespace  # mode below, but for three kinds of operation
+            if namespace == "aten":
+                if func is _SCALAR and isinstance(args[0], FakeTensor):  # a number read out
+                    self.reads += 1  # of a tensor without data
+                    return False if args[0].dtype == torch.bool else 0
+                return func(*args, **kwargs)
+            if namespace == "c10d":
+                return self._collective(func, args, kwargs)
+            if namespace == "_c10d_functional" and func.overloadpacket in _FUNCTIONAL:
+                out = func(*args, **kwargs)  # the result's shape, from the fake mode below
+                self._fire_functional(func, args, out)
+                return out
+            return func(*args, **kwargs)
+        # plain tensors only (bookkeeping: a mesh's ranks, a sampler's order), or none at all
         if func.namespace == "c10d":
             return self._collective(func, args, kwargs)
-        if func.namespace == "_c10d_functional" and func is not _FUNCTIONAL.wait_tensor.default:
-            out = func(*args, **kwargs)  # the result's shape, from the fake mode below
-            self._fire_functional(func, args, out)
-            return out
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
-            self.reads += 1
-            return False if args[0].dtype == torch.bool else 0
-        real = tensors and not any(isinstance(t, FakeTensor) for t in tensors)
-        if real or (not tensors and _integer_factory(func, kwargs)):
+        if _has_tensor(args, kwargs) or _integer_factory(func, kwargs):
             with _disable_current_modes():
                 return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        return func(*args, **kwargs)  # a factory of floating-point tensors: without storage
 
     def _collective(self, func, args, kwargs):
         """The CPU kernel with the storage-less tensors: it fires the group's hooks and calls
@@ -100,7 +118,8 @@ class StorageLess(TorchDispatchMode):
         from torch._C._distributed_c10d import _resolve_process_group
 
         name = func._overloadpacket.__name__
-        pg = _resolve_process_group(args[-1])
+        group = args[-1]  # a group's name, or (not tracing) the group itself
+        pg = _resolve_process_group(group) if isinstance(group, str) else group
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         with _disable_current_modes(), torch._C._ExcludeDispatchKeyGuard(_PYTHON):
             if name.startswith("all_reduce"):
@@ -124,6 +143,16 @@ class StorageLess(TorchDispatchMode):
 
 def _inputs(arg) -> list:
     return list(arg) if isinstance(arg, (list, tuple)) else [arg]
+
+
+def _has_tensor(args, kwargs) -> bool:
+    """Any tensor among the arguments (one level of lists deep: ``cat``'s, a collective's)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) or (
+            isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a)
+        ):
+            return True
+    return False
 
 
 def _integer_factory(func, kwargs) -> bool:
@@ -236,6 +265,23 @@ def rank(rank: int, world_size: int) -> Iterator[RankContext]:
         yield RankContext(rank, rank, world_size, torch.device("cpu"), BACKEND)
     finally:
         cleanup()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches of sharding and redistribution plans. They know a device mesh by
+    its layout, not by its process groups, so the next rank run in this process (a new world,
+    new groups, the same layout) would be handed plans whose collectives name the old groups.
+    Written for torch 2.14's private caches."""
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 @contextmanager
@@ -244,6 +290,7 @@ def storage_less():
     are counted by the groups' hooks, and the per-strategy handling of ``patches()`` is on.
     Yields the ``StorageLess`` mode (its ``reads``)."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake.labkit_dry_run = True  # not tracing: see _not_tracing
     mode = StorageLess()
     with ExitStack() as stack:
         stack.enter_context(patches())
@@ -267,7 +314,37 @@ def patches():
         stack.enter_context(mock.patch.object(watch.Calibration, "step_start", lambda s, i: False))
         stack.enter_context(mock.patch.object(_fsdp_param, "_chunk_with_empty", lazy_chunks))
         stack.enter_context(mock.patch.object(torch.nn.Module, "to", _to(torch.nn.Module.to)))
+        for module in _TRACING_READERS:
+            module = importlib.import_module(module)
+            stack.enter_context(
+                mock.patch.object(module, "_are_we_tracing", _not_tracing(module._are_we_tracing))
+            )
         yield
+
+
+# the modules that read ``_are_we_tracing`` by name (torch 2.14)
+_TRACING_READERS = (
+    "torch.distributed._functional_collectives",
+    "torch.distributed.tensor._collective_utils",
+    "torch.distributed.tensor._decompositions",
+    "torch.distributed.tensor._dispatch",
+    "torch.distributed.tensor._redistribute",
+    "torch.distributed.tensor._sharding_prop",
+)
+
+
+def _not_tracing(original):
+    """``_are_we_tracing`` that does not count the dry run's fake mode as tracing (``NOTES``):
+    DTensor then caches its sharding and redistribution plans, and a functional collective
+    returns the tensor it waits on, as in a real run."""
+
+    def are_we_tracing() -> bool:
+        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if fake is not None and getattr(fake, "labkit_dry_run", False):
+            return False
+        return original()
+
+    return are_we_tracing
 
 
 def _to(original):

@@ -184,7 +184,7 @@ def factories(
     elif optimizer == "adam":
 
         def optimizer_fn(c, params):
-            return torch.optim.Adam(params, lr=c.lr)
+            return torch.optim.Adam(params, lr=c.lr, foreach=True)
 
     return Factories(model_fn=model_fn, data_fn=data_fn, optimizer_fn=optimizer_fn)
 
