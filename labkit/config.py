@@ -138,6 +138,8 @@ class RunConfig:
     expert_groups: int | None = knob(None, "experts: token groups per global batch, the capacity "
                                      "counted in each; sample j in group j % groups (default: "
                                      "one per data-parallel rank)")  # fmt: skip
+    ep: int | None = knob(None, "ep: expert-parallel degree, ranks sharing out each block's "
+                          "experts (default: all; world_size / ep copies of them)")  # fmt: skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slowdown", parse_slowdown(self.slowdown))
@@ -432,7 +434,7 @@ class RunConfig:
     def _check_experts(self) -> None:
         """A mixture of experts (``labkit.moe``): its knobs, and the groups its capacity is
         counted in, which every rank's batch must split into."""
-        shaping = ("top_k", "capacity_factor", "aux_loss", "router_skew", "expert_groups")
+        shaping = ("top_k", "capacity_factor", "aux_loss", "router_skew", "expert_groups", "ep")
         fields = RunConfig.__dataclass_fields__
         changed = [n for n in shaping if getattr(self, n) != fields[n].default]
         if self.experts < 0:
@@ -494,11 +496,20 @@ class RunConfig:
                 f"each rank's {self.batch_per_rank} samples do not split into {g // n} token "
                 f"groups: pick a global batch that is a multiple of expert_groups={g}"
             )
-        if registry.get(self.strategy).kind == "expert_parallel" and self.experts % n:
+        if self.ep is not None and "ep" not in registry.get(self.strategy).knobs:
+            self._refuse("ep", "ep spreads the experts over ranks", "set ep=None")
+        if self.ep is not None and (self.ep < 1 or self.world_size % self.ep):
             raise ValueError(
-                f"{self.strategy} puts experts / world_size experts on each rank: "
-                f"{self.experts} experts do not split over {n} ranks, set experts to a "
-                f"multiple of {n}"
+                f"ep={self.ep} does not divide world size {self.world_size}: world_size / ep "
+                f"groups of ep ranks each share out the experts, set ep to a divisor of "
+                f"{self.world_size} (or None: all of them)"
+            )
+        d_e = self.ep or self.world_size
+        if registry.get(self.strategy).kind == "expert_parallel" and self.experts % d_e:
+            raise ValueError(
+                f"{self.strategy} puts experts / ep experts on each rank of a group of ep = "
+                f"{d_e}: {self.experts} experts do not split over {d_e} ranks, set experts to "
+                f"a multiple of {d_e}"
             )
 
     @property

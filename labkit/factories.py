@@ -104,7 +104,8 @@ def validate(cfg: RunConfig, fns: Factories) -> None:
             f"each rank's gradient, which equals the global batch's only for a mean: "
             f"use reduction='mean' (the default)"
         )
-    x, y = default_collate([dataset[i] for i in range(min(2, len(dataset)))])
+    probe = 2 * cfg.groups_per_rank  # two samples (per token group of a mixture of experts)
+    x, y = default_collate([dataset[i] for i in range(min(probe, len(dataset)))])
     with torch.no_grad():
         try:
             out = model(x)

@@ -96,7 +96,7 @@ class Routing:
 def route(logits: torch.Tensor, top_k: int, capacity_factor: float) -> Routing:
     """Top-k gating with a capacity per group: ``logits`` (groups, tokens, E)."""
     m, t, e = logits.shape
-    probs = logits.float().softmax(-1)
+    probs = logits.softmax(-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32+
     top_p, top_e = probs.topk(top_k, dim=-1)  # (m, t, k)
     gates = top_p / top_p.sum(-1, keepdim=True) if top_k > 1 else top_p
     cap = capacity(t, e, top_k, capacity_factor)

@@ -324,6 +324,7 @@ def reference_config(cfg: RunConfig) -> RunConfig:
         tp=None,
         sequence_parallel=False,
         shard_size=None,
+        ep=None,
         **_NO_CONTEXT_SPLIT,
         sync_every_microstep=False,
         slowdown=(),
@@ -349,6 +350,8 @@ def config_for(cfg: RunConfig, name: str, world_size: int) -> RunConfig:
         layout["shard_size"] = None
     if "cp" not in knobs:  # the context-parallel degree and placement, of the cp strategies
         layout.update(_NO_CONTEXT_SPLIT)
+    if "ep" not in knobs:  # the expert-parallel degree, of ep alone
+        layout["ep"] = None
     return cfg.replace(
         strategy=name, world_size=world_size_for(name, world_size, cfg.stages), **layout
     )

@@ -70,7 +70,7 @@ def dispatch(
     def rank(group):
         r = group.rank()
         moe = copy.deepcopy(block)
-        spread_experts(moe, r, group)
+        spread_experts(moe, group)
         seen = []
         for e, expert in moe.experts.items():
             expert.register_forward_pre_hook(lambda m, a, e=int(e): seen.append((e, a[0])))
@@ -144,19 +144,43 @@ def expert_load(records: pd.DataFrame) -> pd.DataFrame:
     return t
 
 
-def rank_load(records: pd.DataFrame) -> pd.DataFrame:
+def rank_load(records: pd.DataFrame, ep: int | None = None) -> pd.DataFrame:
     """Per run, step, MoE block and rank under expert parallelism: the rows its experts
-    computed (every rank's kept assignments to the experts it owns) and its share of them."""
-    load = expert_load(records)
-    experts = int(load["expert"].max()) + 1
-    load["rank"] = [
-        next(r for r in range(w) if e in owned(r, w, experts))
-        for e, w in zip(load["expert"], load["world_size"])
-    ]
-    keys = ["run", "strategy", "world_size", "step", "layer", "rank"]
-    t = load.groupby(keys, sort=False)[["kept", "dropped"]].sum().reset_index()
-    t["share"] = t["kept"] / t.groupby(keys[:-1])["kept"].transform("sum")
-    return t
+    computed (the kept assignments of every rank of its group to the experts it owns) and its
+    share of them. ``ep``: ranks per group sharing out the experts (None: all of them)."""
+    rows = []
+    kept = _kept(records)
+    for (run, step, r), layers in kept.items():
+        w = _world(records, run)
+        d = ep or w
+        group = range(r // d * d, r // d * d + d)
+        mine = owned(r % d, d, len(layers[0]))
+        for layer in range(len(layers)):
+            computed = sum(kept[(run, step, q)][layer][e] for q in group for e in mine)
+            rows.append(
+                {"run": run, "world_size": w, "step": step, "layer": layer, "rank": r,
+                 "kept": computed}
+            )  # fmt: skip
+    t = pd.DataFrame(rows).sort_values(["run", "step", "layer", "rank"], kind="stable")
+    keys = ["run", "world_size", "step", "layer"]
+    t["share"] = t["kept"] / t.groupby(keys, sort=False)["kept"].transform("sum")
+    return t.reset_index(drop=True)
+
+
+def _kept(records: pd.DataFrame) -> dict:
+    """(run, step, rank) -> per block, per expert: the kept assignments of that rank's tokens."""
+    return {
+        (rec["run"], int(rec["step"]), int(rec["rank"])): [
+            [a - d for a, d in zip(ro, dr)]
+            for ro, dr in zip(rec["expert_routed"], rec["expert_dropped"])
+        ]
+        for _, rec in _moe_records(records).iterrows()
+    }
+
+
+def _world(records: pd.DataFrame, run: str) -> int:
+    recs = _moe_records(records)
+    return int(recs.loc[recs["run"] == run, "world_size"].iloc[0])
 
 
 def imbalance(records: pd.DataFrame) -> pd.DataFrame:
@@ -216,26 +240,23 @@ def all_to_all_bytes(records: pd.DataFrame, cfg: RunConfig) -> pd.DataFrame:
     (float32). ``formula_bytes`` is the issue's rule, ``tokens x hidden x (N-1)/N`` per
     all-to-all with tokens = this rank's b x s x k (no drops, an even router), four per block;
     ``counted_sent_bytes`` is what ``labkit.wire`` counts as sent: (N-1)/N of the payload, the
-    same model, so the two differ by the drops and the router's imbalance."""
+    same model, so the two differ by the drops and the router's imbalance. With ``cfg.ep`` < N
+    the all-to-alls run inside groups of ``ep`` ranks, and N is ``ep`` above."""
     recs = _moe_records(records)
     n = int(recs["world_size"].iloc[0])
+    d = cfg.ep or n  # the all-to-alls run inside groups of d ranks
     experts = len(recs["expert_routed"].iloc[0][0])
-    h, share = cfg.width, coefficients("all_to_all", n)[1]
+    h, share = cfg.width, coefficients("all_to_all", d)[1]
     tokens = cfg.batch_per_rank * cfg.seq_len * cfg.top_k
-    kept = {}  # (step, rank) -> per block, per expert: kept assignments of that rank's tokens
-    for _, rec in recs.iterrows():
-        kept[(int(rec["step"]), int(rec["rank"]))] = [
-            [a - d for a, d in zip(ro, dr)]
-            for ro, dr in zip(rec["expert_routed"], rec["expert_dropped"])
-        ]
+    kept = _kept(recs)
     rows = []
     for _, rec in recs.iterrows():
-        step, r = int(rec["step"]), int(rec["rank"])
-        layers = kept[(step, r)]
-        mine = owned(r, n, experts)
+        run, step, r = rec["run"], int(rec["step"]), int(rec["rank"])
+        layers = kept[(run, step, r)]
+        group, mine = range(r // d * d, r // d * d + d), owned(r % d, d, experts)
         sent = sum(sum(block) for block in layers)
         computed = sum(
-            kept[(step, q)][b][e] for q in range(n) for b in range(len(layers)) for e in mine
+            kept[(run, step, q)][b][e] for q in group for b in range(len(layers)) for e in mine
         )
         spans = [s for s in rec["comm_spans"] if s[0] == "all_to_all"]
         payload = sum(s[3] for s in spans) - len(layers) * experts * COUNT_BYTES

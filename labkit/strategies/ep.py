@@ -22,6 +22,11 @@ Then the gradients: every replicated parameter's is averaged over the ranks (one
 an expert's arrived from every rank's tokens and stays with its owner. Each rank's loss is a
 mean over its B/N samples, single's over all B, so the owner divides by N: no message.
 
+With ``cfg.ep`` = d_e < N, each group of d_e ranks shares out the experts and the N / d_e groups
+are copies of one another (a 2-D mesh, dp x ep: GShard's and DeepSpeed-MoE's expert-data
+parallelism): the all-to-alls stay inside a group, and an expert's gradient is summed over the
+ranks that hold it (one all-reduce over "dp") before the division by N.
+
 Each all-to-all sends the rows actually routed (variable split sizes, no padding to capacity):
 ``labkit.wire`` counts the rows a rank hands in, and a rank keeps the share routed to its own
 experts. ``dist.all_to_all_single`` with split sizes runs on gloo (torch 2.14).
@@ -32,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import RunConfig
 from ..dist import RankContext, all_reduce_flat
@@ -88,10 +94,10 @@ def owned(rank: int, world_size: int, experts: int) -> range:
     return range(rank * per, (rank + 1) * per)
 
 
-def spread_experts(moe: MoE, rank: int, group) -> None:
+def spread_experts(moe: MoE, group) -> None:
     """Keep only this rank's experts in ``moe`` (their names unchanged) and send its tokens
-    to the others by all-to-all."""
-    n, experts = group.size(), moe.spec.experts
+    to the others of ``group`` by all-to-all."""
+    n, rank, experts = group.size(), group.rank(), moe.spec.experts
     if experts % n:
         raise ValueError(
             f"expert parallelism puts E/N experts on each rank: {experts} experts do not "
@@ -102,11 +108,22 @@ def spread_experts(moe: MoE, rank: int, group) -> None:
     moe.exchange = ExpertParallel(experts, group)
 
 
+def expert_groups(cfg: RunConfig, ctx: RankContext):
+    """The group that shares out the experts (every rank, or ``cfg.ep`` of them), and the
+    group of ranks holding the same experts (None when every rank shares them out)."""
+    degree = cfg.ep or ctx.world_size
+    if degree == ctx.world_size:
+        return dist.group.WORLD, None
+    shape = (ctx.world_size // degree, degree)
+    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=("dp", "ep"))
+    return mesh.get_group("ep"), mesh.get_group("dp")
+
+
 def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     model = build_model(cfg, ctx, fns)  # every rank builds every expert from the same seed,
-    group = dist.group.WORLD  # then keeps its own
+    spread_over, copies = expert_groups(cfg, ctx)  # then keeps its own
     for moe in moe_layers(model):
-        spread_experts(moe, ctx.rank, group)
+        spread_experts(moe, spread_over)
     data = data_iter(cfg, fns, rank=ctx.rank, world_size=ctx.world_size)
     expert = {id(p) for moe in moe_layers(model) for p in moe.experts.parameters()}
     params = list(model.parameters())
@@ -114,6 +131,8 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     def sync_grads() -> None:
         replicated = [p.grad for p in params if id(p) not in expert and p.grad is not None]
         all_reduce_flat(replicated)  # summed over the ranks, as DDP's
+        if copies is not None:  # the experts' copies: each saw its own group's tokens
+            all_reduce_flat([p.grad for p in params if id(p) in expert], group=copies)
         for p in params:  # / N: the replicated ones' sums, and the experts' (every rank's
             if p.grad is not None:  # tokens summed in by the all-to-all), become means over B
                 p.grad /= ctx.world_size

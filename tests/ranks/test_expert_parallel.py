@@ -63,6 +63,22 @@ def test_the_capacity_drops_the_same_tokens_and_the_bytes_are_the_routers():
     assert (held == 4 * (dense + experts // MOE.world_size)).all(), held
 
 
+def test_dp_by_ep_on_a_mesh_trains_as_single_and_counts_each_dimension_apart():
+    """4 ranks (oversubscribed here): 2 groups of 2 share out the experts, 2 copies of each."""
+    cfg = MOE.replace(world_size=4, ep=2)
+    table = equivalence.check(cfg, ["ep"], world_size=4, steps=3)
+    assert table["ok"].all(), table.to_string()
+    res = ex.experiment.run(cfg.replace(steps=2))
+    dense, experts = moe_split(make_model(cfg.replace(strategy="single", world_size=1, ep=None)))
+    for _, rec in res.records.iterrows():
+        # over all 4 ranks the dense gradients, over the 2 copies this rank's half of the experts
+        reduced = sorted(s[3] for s in rec["comm_spans"] if s[0] == "all_reduce")
+        assert reduced == sorted([4 * dense, 4 * experts // 2]), reduced
+    b = ex.all_to_all_bytes(res.records, cfg)  # inside each group of 2, the routers' rows
+    assert (b["all_to_alls"] == 5 * cfg.depth).all()
+    assert (b["counted_payload_bytes"] == b["router_payload_bytes"]).all(), b.to_string()
+
+
 def test_ep_without_experts_runs_as_data_parallelism_and_says_so():
     res = ex.experiment.run(MOE.replace(experts=0, capacity_factor=1.25, router_skew=0.0))
     assert any("ran as data parallelism" in n for n in res.notes), res.notes

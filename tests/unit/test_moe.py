@@ -133,6 +133,9 @@ def test_the_transformer_takes_a_mixture_of_experts_from_the_config():
         (dict(model="transformer", experts=3, strategy="ep"), "multiple of 2"),
         (dict(model="transformer", experts=4, strategy="zero1"), "set experts=0"),
         (dict(model="transformer", experts=4, skew=0.5, strategy="ddp"), "skew=0"),
+        (dict(model="transformer", experts=4, strategy="ep", world_size=4, ep=3), "divisor of 4"),
+        (dict(model="transformer", experts=4, strategy="ddp", ep=2), "set ep=None"),
+        (dict(model="transformer", experts=6, strategy="ep", world_size=4, ep=4), "multiple of 4"),
     ],
 )
 def test_bad_mixtures_of_experts_are_refused_with_the_fix(changes, said):
@@ -160,7 +163,7 @@ def dense_and_parallel(n: int, **spec):
         moe = copy.deepcopy(dense)
         moe.zero_grad()
         moe.spec = dataclasses.replace(moe.spec, groups=1)
-        spread_experts(moe, r, group)
+        spread_experts(moe, group)
         xr = x[r::n].clone().requires_grad_()
         yr = moe(xr)
         (yr**2).mean().backward()
