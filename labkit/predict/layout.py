@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from . import memory
-from .collectives import AlphaBeta
+from .collectives import AlphaBeta, coefficients
 from .schedule import theory_bubble
 from .whatif import INTERCONNECTS
 
@@ -489,6 +489,40 @@ def _dp_comm(grad_bytes: float, dp: int, zero: int, m: int, link: AlphaBeta) -> 
     if zero == 2:
         return m * rs + ag
     return m * (rs + 2 * ag)
+
+
+def bytes_per_step(
+    *,
+    layers: int,
+    hidden: int,
+    seq: int,
+    vocab: int,
+    global_batch: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    zero: int,
+    microbatch: int,
+    recompute: str,
+) -> dict:
+    """Bytes one GPU sends per step in ``evaluate``'s cost model, term by term (the ring
+    convention ``labkit.wire`` counts with: the ``b`` coefficient of ``collectives.coefficients``
+    times the message): ``tensor``, (L/pp) x m x 4 all-reduces (6 with full recomputation) of
+    b x s x h 16-bit activations over tp; ``pipeline``, the 2 (m + pp - 1) hand-offs of b x s x
+    h / tp it times (its critical path: a stage itself sends 2m or m); ``data``, the 16-bit
+    gradients' reduce-scatter and all-gather over dp (ZeRO-2: a reduce-scatter per
+    micro-batch; ZeRO-3: per micro-batch a reduce-scatter and two all-gathers), ``_dp_comm``'s
+    terms. A dry run (``labkit.labs.dryrun``) counts what the code sends beside it."""
+    m = global_batch // (dp * microbatch)
+    act = 2 * microbatch * seq * hidden
+    per_ar = coefficients("all_reduce", tp)[1] * act
+    tensor = (layers // pp) * m * (6 if recompute == "full" else 4) * per_ar
+    pipeline = 2 * (m + pp - 1) * act / tp if pp > 1 else 0.0
+    grads = 2 * memory.stage_parameters(layers=layers, hidden=hidden, vocab=vocab, seq=seq,
+                                        tp=tp, pp=pp)  # fmt: skip
+    one = coefficients("reduce_scatter", dp)[1] * grads  # a reduce-scatter, or an all-gather
+    data = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[zero] * one
+    return {"tensor": tensor, "pipeline": pipeline, "data": data}
 
 
 def _divisors(n: int) -> list[int]:

@@ -32,6 +32,7 @@ of a model already on its device swaps every parameter, which the fake mode forb
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from unittest import mock
@@ -260,12 +261,14 @@ def rank(rank: int, world_size: int) -> Iterator[RankContext]:
         raise RuntimeError(
             "a process group is already set up in this process: call labkit.cleanup() first"
         )
+    hook = sys.excepthook  # init_process_group wraps it with a "[rankN]" prefix, once per call
     dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield RankContext(rank, rank, world_size, torch.device("cpu"), BACKEND)
     finally:
         cleanup()
         forget_meshes()
+        sys.excepthook = hook
 
 
 def forget_meshes() -> None:

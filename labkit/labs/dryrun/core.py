@@ -81,11 +81,12 @@ class Transformer:
         out = self.layers * (12 * h * h + 13 * h) + self.vocab * h + self.seq_len * h + 2 * h
         return out + (0 if self.tie else self.vocab * h)
 
-    def config(self, cfg: RunConfig) -> RunConfig:
-        """``cfg`` with this shape in labkit's names: width h, depth L, classes V (each token's
-        prediction is one of V classes); validated by ``RunConfig`` (heads and tensor degree,
-        sequence and sequence parallelism, layers and stages)."""
-        return cfg.replace(
+    def config(self, cfg: RunConfig | None = None, **fields) -> RunConfig:
+        """A ``RunConfig`` with this shape in labkit's names (width h, depth L, classes V: each
+        token's prediction is one of V classes) and ``fields``, or ``cfg`` with them: validated
+        at once (heads and tensor degree, sequence and sequence parallelism, layers and stages).
+        """
+        shape = dict(
             model="transformer",
             width=self.hidden,
             depth=self.layers,
@@ -93,6 +94,7 @@ class Transformer:
             seq_len=self.seq_len,
             classes=self.vocab,
         )
+        return RunConfig(**shape, **fields) if cfg is None else cfg.replace(**shape, **fields)
 
     def __str__(self) -> str:
         b = self.parameters / 1e9
@@ -173,10 +175,15 @@ def factories(
     if recipe == "paper":
         build = model_fn
 
-        def model_fn(c):  # noqa: F811 - the same model, in 16 bits
+        def model_fn(c):  # noqa: F811 - the same model, built in 16 bits
             from ...models import make_model
 
-            return (build(c) if build is not None else make_model(c)).to(torch.bfloat16)
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)  # (.to() cannot convert fake parameters)
+            try:
+                return build(c) if build is not None else make_model(c)
+            finally:
+                torch.set_default_dtype(default)
 
         def optimizer_fn(c, params):
             return MasterAdam(params, lr=c.lr)
