@@ -254,3 +254,26 @@ def sweep(base: RunConfig, strategies: Sequence[str], counts: Sequence[int]) -> 
         for M in counts
     ]
     return pd.concat(runs, ignore_index=True)
+
+
+# torchtitan's published 3-D run (pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md,
+# Table 5): Llama 3.1 405B on 512 H100s, FSDP 8 x TP 8 x PP 8, local batch 32, tokens per second
+# per GPU by schedule. M = 32 assumes torchtitan's default micro-batch of 1 sample; the page does
+# not say how many stages per rank its interleaved run used.
+TORCHTITAN_405B = {"stages": 8, "microbatches": 32, "1f1b": 100.0, "interleaved": 128.0}
+
+
+def against_torchtitan(virtual: Sequence[int] = (2, 4)) -> pd.DataFrame:
+    """torchtitan's published gain from interleaving beside what labkit's simulator gives for the
+    bubble alone at the same P and M (equal chunks, free hand-offs): the throughput ratio
+    (1 - b_interleaved) / (1 - b_1F1B), per v; and the ceiling a bubble of zero would give."""
+    P, M = TORCHTITAN_405B["stages"], TORCHTITAN_405B["microbatches"]
+    published = TORCHTITAN_405B["interleaved"] / TORCHTITAN_405B["1f1b"]
+    one = predict_step("1f1b", M, ScheduleCosts.uniform(P))["bubble"]
+    rows = []
+    for v in virtual:
+        b = predict_step("interleaved", M, ScheduleCosts.uniform(P, virtual=v))["bubble"]
+        rows.append({"v": v, "bubble_1f1b": one, "bubble_interleaved": b,
+                     "predicted_ratio": (1 - b) / (1 - one), "published_ratio": published,
+                     "zero_bubble_ratio": 1 / (1 - one)})  # fmt: skip
+    return pd.DataFrame(rows)

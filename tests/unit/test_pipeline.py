@@ -295,3 +295,14 @@ def test_schedules_refuse_what_they_cannot_run_naming_the_fix():
     for s in pipeline_bubble.BEYOND_1F1B:
         RunConfig(strategy=s, world_size=2)
     RunConfig(strategy="pipeline_interleaved", virtual_stages=3, depth=5)
+
+
+def test_torchtitan_s_interleaving_gain_beside_the_bubble_alone():
+    # P=8, M=32: 1F1B idles 7/39 of the step, interleaving 7/(32v+7); the published 1.28
+    # (torchtitan, Llama 3.1 405B) is above even a bubble of zero's 39/32: more than the bubble
+    t = pipeline_bubble.against_torchtitan((2, 4)).set_index("v")
+    for v in (2, 4):
+        want = (1 - 7 / (32 * v + 7)) / (1 - 7 / 39)
+        assert t.loc[v, "predicted_ratio"] == pytest.approx(want)
+    assert t["published_ratio"].iloc[0] == pytest.approx(1.28)
+    assert t["zero_bubble_ratio"].tolist() == pytest.approx([39 / 32] * 2)
