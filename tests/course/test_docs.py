@@ -1,4 +1,4 @@
-"""``make docs`` builds the course as a site; here on one notebook (all nine take ~15 minutes,
+"""``make docs`` builds the course as a site; here on one notebook (all of them take long,
 more than the test budget allows): the page is executed, its charts embedded and interactive,
 the front page carries the README's overview and a table of contents."""
 
