@@ -1,4 +1,5 @@
-"""labkit's command line: ``python -m labkit {env,compare,check,memory,demo,comm,schedule,layout}``.
+"""labkit's command line: ``python -m labkit {env,compare,check,memory,demo,comm,schedule,layout,
+dryrun}``.
 
 Every ``RunConfig`` field is a flag of the commands that run strategies (``labkit.flags``).
 """
@@ -9,7 +10,7 @@ import argparse
 import sys
 import warnings
 
-from . import comm, layout, run, schedule
+from . import comm, dryrun, layout, run, schedule
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_parser(sub)
     schedule.add_parser(sub)
     layout.add_parser(sub)
+    dryrun.add_parser(sub)
     return parser
 
 

@@ -183,6 +183,23 @@ def shard_numels(
     return [sum(numels)] * world_size
 
 
+def _unpadded_shards(shapes, world_size: int, shard_size: int | None, strategy: str) -> list[int]:
+    """Elements of each rank's FSDP shards without the padding: rank r of a group of n holds
+    rows r*c .. (r+1)*c - 1 of a tensor's dim 0 (c = ceil(rows / n)), fewer on the last ranks
+    when n does not divide it. FSDP2 keeps parameters and gradients in padded storage, but the
+    optimizer creates its state from the unpadded shard (``torch.zeros_like``)."""
+    n = shard_size if _grouped(strategy) else world_size
+    out = []
+    for r in range(world_size):
+        g = r % n  # the rank's place in its shard group
+        held = 0
+        for s in shapes:
+            c = math.ceil(s[0] / n)
+            held += max(0, min(c, s[0] - g * c)) * math.prod(s[1:])
+        out.append(held)
+    return out
+
+
 def zero1_partition(numels: list[int], world_size: int) -> list[list[int]]:
     """The tensors (their element counts) each rank's optimizer owns under ZeRO-1:
     ``ZeroRedundancyOptimizer``'s greedy split, largest first, to the least loaded rank."""
@@ -226,6 +243,8 @@ def calculate(
     sharded = shard_numels(shapes, strategy, world_size, shard_size)
     opt_n = sharded if STAGES[strategy] >= 1 else full
     state_n = sharded if STAGES[strategy] >= 3 else full
+    if STAGES[strategy] == 3:  # the optimizer's state: each rank's shard unpadded (the last of
+        opt_n = _unpadded_shards(shapes, world_size, shard_size, strategy)  # an uneven split)
     steps = _adam_steps(shapes, strategy, world_size) if optimizer == "adam" else [0] * world_size
     batch = micro * (math.prod(input_shape) * 4 + 8)  # float inputs, int64 targets
     copies = acts["weight_copies"] if recipe == "autocast" else 0

@@ -102,10 +102,10 @@ def beside(run: DryRun) -> pd.DataFrame:
     if run.shape is not None and run.recipe == "paper":
         formula, named = _transformer_rows(run, rank)
         source = "predict.memory.transformer_layout"
-    elif run.cfg.strategy in calc.STRATEGIES:
+    elif run.shape is None and run.cfg.strategy in calc.STRATEGIES:
         formula, named = _traced_rows(run, rank), {}
         source = "predict.memory.calculate"
-    else:
+    else:  # a language model in labkit's recipe (the formulas are the paper's), or no formula
         formula, named, source = {}, {}, None
     rows = []
     for c in (*CATEGORIES, "total"):
@@ -133,7 +133,7 @@ def beside(run: DryRun) -> pd.DataFrame:
 def _traced_rows(run: DryRun, rank: RankRun) -> dict:
     """``predict.memory.calculate`` on the same model (traced on the meta device)."""
     cfg = run.cfg
-    fns = factories(cfg, run.shape, run.recipe, None)
+    fns = run.fns or factories(cfg, run.shape, run.recipe, None)
     model = model_parameters(cfg, fns)
     sample = fns.dataset(cfg)[0][0]
     df = calc.calculate(
@@ -244,7 +244,7 @@ def _tensor_shapes(run: DryRun) -> list[tuple]:
     stage's, each split by tensor parallelism as labkit's plan splits it (qkv and fc1 by rows,
     proj and fc2 by columns; embeddings, LayerNorms, row-parallel biases and the head whole)."""
     cfg, lay = run.cfg, layout_of(run)
-    model = model_parameters(cfg, factories(cfg, run.shape, run.recipe, None))
+    model = model_parameters(cfg, run.fns or factories(cfg, run.shape, run.recipe, None))
     blocks = list(model)
     if lay.pp > 1:
         bounds = even_bounds(len(blocks), lay.pp)

@@ -157,12 +157,18 @@ class MasterAdam(torch.optim.Optimizer):
 
 
 def factories(
-    cfg: RunConfig, shape: Transformer | None, recipe: str, optimizer: str | None
+    cfg: RunConfig,
+    shape: Transformer | None,
+    recipe: str,
+    optimizer: str | None,
+    model_fn=None,
+    data_fn=None,
 ) -> Factories:
-    """What trains: labkit's model or the language model ``shape``; in ``recipe`` "paper"
-    16-bit weights and ``MasterAdam`` (the ZeRO paper's bytes), else fp32 weights (autocast by
-    ``cfg.precision``) and ``optimizer`` (None: labkit's SGD with momentum)."""
-    model_fn = data_fn = optimizer_fn = None
+    """What trains: labkit's model, the language model ``shape`` or yours (``model_fn``,
+    ``data_fn``: see ``labkit.factories``); in ``recipe`` "paper" 16-bit weights and
+    ``MasterAdam`` (the ZeRO paper's bytes), else fp32 weights (autocast by ``cfg.precision``)
+    and ``optimizer`` (None: labkit's SGD with momentum)."""
+    optimizer_fn = None
     if shape is not None:
         tie = shape.tie
 
@@ -229,6 +235,7 @@ class DryRun:
     ranks: list
     notes: list = field(default_factory=list)
     kind: str = "dry run"
+    fns: Factories | None = field(default=None, repr=False)  # what trained (beside reads it)
 
     @property
     def failed(self) -> list:
@@ -354,19 +361,22 @@ def dryrun(
     shape: Transformer | None = None,
     recipe: str = "labkit",
     optimizer: str | None = None,
+    model_fn=None,
+    data_fn=None,
 ) -> DryRun:
     """Run one step of ``cfg.strategy`` as ``rank`` of ``world_size`` (default
     ``cfg.world_size``) in this process, on tensors without storage (see the module docstring).
     ``rank``: a rank, a list of them, or None for ``ranks_that_differ``. ``shape``: a language
-    model by its shape (else ``cfg.model``); ``recipe``: "labkit" (fp32 weights, autocast by
-    ``cfg.precision``, ``optimizer``) or "paper" (16-bit weights, ``MasterAdam``)."""
-    cfg, fns, ranks = _plan(cfg, world_size, rank, shape, recipe, optimizer)
+    model by its shape (else ``cfg.model``, or your ``model_fn`` and ``data_fn``); ``recipe``:
+    "labkit" (fp32 weights, autocast by ``cfg.precision``, ``optimizer``) or "paper" (16-bit
+    weights, ``MasterAdam``)."""
+    cfg, fns, ranks = _plan(cfg, world_size, rank, shape, recipe, optimizer, model_fn, data_fn)
     runs = [_one_rank(cfg, fns, r, role) for r, role in ranks]
     notes = [storage_less.NOTES[k] for k in _notes_for(cfg)]
-    return DryRun(cfg, shape, recipe, runs, notes)
+    return DryRun(cfg, shape, recipe, runs, notes, fns=fns)
 
 
-def _plan(cfg, world_size, rank, shape, recipe, optimizer):
+def _plan(cfg, world_size, rank, shape, recipe, optimizer, model_fn=None, data_fn=None):
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
     if optimizer is not None and optimizer not in OPTIMIZERS:
@@ -376,8 +386,10 @@ def _plan(cfg, world_size, rank, shape, recipe, optimizer):
             "the paper's recipe trains 16-bit weights already: leave precision='fp32' (autocast "
             "is for fp32 weights)"
         )
+    if shape is not None and (model_fn is not None or data_fn is not None):
+        raise ValueError("shape builds the model and its data: drop model_fn and data_fn")
     cfg = dry_config(cfg, world_size, shape)
-    fns = factories(cfg, shape, recipe, optimizer)
+    fns = factories(cfg, shape, recipe, optimizer, model_fn, data_fn)
     if rank is None:
         ranks = ranks_that_differ(cfg, fns)
     else:
@@ -455,16 +467,18 @@ def real(
     shape: Transformer | None = None,
     recipe: str = "labkit",
     optimizer: str | None = None,
+    model_fn=None,
+    data_fn=None,
 ) -> DryRun:
     """The dry run's step on ``world_size`` real rank processes (gloo on CPU), read the same
     way, every rank reported: what ``dryrun`` must equal."""
-    cfg, fns, _ = _plan(cfg, world_size, 0, shape, recipe, optimizer)
+    cfg, fns, _ = _plan(cfg, world_size, 0, shape, recipe, optimizer, model_fn, data_fn)
     t0 = time.perf_counter()
     results = launch(_counted_rank, cfg.world_size, args=(cfg, fns), timeout_s=cfg.timeout_s,
                      device="cpu")  # fmt: skip
     seconds = time.perf_counter() - t0
     runs = [_read(res, r, f"rank {r}", seconds) for r, res in enumerate(results)]
-    return DryRun(cfg, shape, recipe, runs, [], kind="real run")
+    return DryRun(cfg, shape, recipe, runs, [], kind="real run", fns=fns)
 
 
 def model_parameters(cfg: RunConfig, fns: Factories) -> nn.Module:
