@@ -189,6 +189,7 @@ class RunConfig:
                 f"{self.strategy} runs on one device: set world_size=1 (got {self.world_size})"
             )
         self._check_knobs()
+        self._check_mesh()
         self._check_batch()
         self._check_balancing()
         self._check_checkpoint_dir()
@@ -273,6 +274,29 @@ class RunConfig:
                 "checkpoint_dir",
                 "checkpoint_dir saves the shared training loop's state",
                 "set checkpoint_dir=None",
+            )
+
+    def _check_mesh(self) -> None:
+        """A strategy on one device mesh (``registry.Strategy.mesh``): its degrees multiply to a
+        divisor of the world size, the rest of the ranks being data-parallel replicas."""
+        s = registry.get(self.strategy)
+        if not s.mesh:
+            return
+        for name in ("tp", "cp"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 or None, got {getattr(self, name)}")
+        t, c, p = self.tensor_parallel, self.context_parallel, self.stages
+        if self.world_size % (t * c * p):
+            raise ValueError(
+                f"{self.strategy} lays world_size = dp x pp x cp x tp ranks on one mesh: "
+                f"stages={p} x cp={c} x tp={t} = {t * c * p} does not divide world size "
+                f"{self.world_size}: set world_size to a multiple of {t * c * p} (dp = "
+                f"world_size / {t * c * p}) or lower a degree (an unset one is 1)"
+            )
+        if self.sequence_parallel:
+            raise ValueError(
+                f"{self.strategy} splits the sequence over cp, not inside the tensor-parallel "
+                f"regions: set sequence_parallel=False (tp and dp_tp take it)"
             )
 
     def _check_batch(self) -> None:
@@ -569,9 +593,10 @@ class RunConfig:
     def context_parallel(self) -> int:
         """The context-parallel degree this run uses (1 for strategies that do not split the
         sequence)."""
-        if "cp" not in registry.get(self.strategy).knobs:
+        s = registry.get(self.strategy)
+        if "cp" not in s.knobs:
             return 1
-        return self.cp or self.world_size
+        return self.cp or (1 if s.mesh else self.world_size)
 
     @property
     def shard_group(self) -> int:
@@ -585,9 +610,10 @@ class RunConfig:
     @property
     def tensor_parallel(self) -> int:
         """The tensor-parallel degree this run uses (1 for strategies that do not split layers)."""
-        if "tp" not in registry.get(self.strategy).knobs:
+        s = registry.get(self.strategy)
+        if "tp" not in s.knobs:
             return 1
-        return self.tp or self.world_size
+        return self.tp or (1 if s.mesh else self.world_size)
 
     def _check_strategy(self) -> None:
         """What one strategy needs beyond its knobs."""
@@ -652,10 +678,11 @@ class RunConfig:
 
     @property
     def pipelines(self) -> int:
-        """Copies of the pipeline (``dp_pp``: world_size / stages), 1 for the others."""
-        return (
-            self.world_size // self.stages if registry.get(self.strategy).kind == "composed" else 1
-        )
+        """Copies of the pipeline each training its slice of the batch (``dp_pp``: world_size
+        / stages; ``mesh4d``: dp = world_size / (stages x cp x tp)), 1 for the others."""
+        if registry.get(self.strategy).kind != "composed":
+            return 1
+        return self.world_size // (self.stages * self.tensor_parallel * self.context_parallel)
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)

@@ -13,7 +13,8 @@ Kinds:
 * ``tensor_parallel``: every layer split across ranks, which all see the same batch;
 * ``context_parallel``: the sequence split across ranks, which all see the same batch and hold
   the whole model; attention passes keys and values between them (a ring, or all-to-all);
-* ``composed``: two of the above on a 2-D device mesh (data x pipeline, data x tensor);
+* ``composed``: two of the above on a 2-D device mesh (data x pipeline, data x tensor), or
+  four on one 4-D mesh (``mesh4d``: data x pipeline x context x tensor);
 * ``periodic``: ranks train alone for H steps, then average (local SGD, DiLoCo);
 * ``asynchronous``: no step-wide synchronisation at all (a parameter server, Hogwild);
 * ``expert_parallel``: a mixture of experts' experts spread over the ranks, tokens sent to them
@@ -74,6 +75,9 @@ class Strategy:
     dtensor: bool = False  # its layers are DTensors placed by torch's parallelize_module
     heads_split: bool = False  # context parallel by all-to-all: each rank attends with whole heads
     float32_only: str = ""  # why its algorithm needs float32 tensors (check cannot use float64)
+    # the DeviceMesh's dimensions it lays the ranks on, outermost first: each degree it takes
+    # (tp, cp, stages) is one dimension, an unset one 1, and "dp" takes the ranks left over
+    mesh: tuple = ()
     colour: str = "#9e9e9e"  # in every chart that compares strategies
     summary: str = ""
 
@@ -168,6 +172,11 @@ STRATEGIES: dict[str, Strategy] = {
                  summary="context parallelism by all-to-all over heads (DeepSpeed-Ulysses)"),
         Strategy("dp_cp", "dp_cp", "composed", knobs=CONTEXT, colour="#bcbd22",
                  summary="data x context: dp replicas of a cp ring, 2-D mesh"),
+        Strategy("mesh4d", "mesh4d", "composed",
+                 knobs=PIPELINE - {"pipeline_impl", "balance_stages"} | CONTEXT | {"tp"},
+                 schedule="1f1b", mesh=("pp", "dp", "cp", "tp"), colour="#5254a3",
+                 summary="data x pipeline x context x tensor on one 4-D mesh, 1F1B between "
+                 "stages"),
         Strategy("local_sgd", "local_sgd", "periodic", knobs=LOOP | STRAGGLER | {"period"},
                  colour="#eeca3b", summary="local SGD: H steps alone, then average parameters"),
         Strategy("diloco", "diloco", "periodic",

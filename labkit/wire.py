@@ -118,6 +118,10 @@ class Traffic:
     # with a dict here (``count_ops``), each operation is also tallied by (name, group size):
     # [calls, payload, sent]; ``take`` hands it over as ``comm_ops``
     ops: dict | None = None
+    # the tagged groups' operations (``tag``): {tag: {operation: [calls, payload, sent]}}, every
+    # tag a watched group carries listed (empty when it was handed nothing); ``take`` hands it
+    # over as ``comm_tagged``
+    tagged: dict = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue, repr=False)
 
@@ -143,6 +147,12 @@ class Traffic:
             if self.ops is not None:
                 out["comm_ops"] = {key: tuple(row) for key, row in self.ops.items()}
                 self.ops = {}
+            if self.tagged:
+                out["comm_tagged"] = {
+                    name: {op: tuple(row) for op, row in ops.items()}
+                    for name, ops in self.tagged.items()
+                }
+                self.tagged = {name: {} for name in self.tagged}
         spans, deadline = [], None
         for _ in range(issued):  # released the moment each callback runs (no polling)
             try:
@@ -167,6 +177,17 @@ _TRAFFIC = Traffic()
 def traffic() -> Traffic:
     """This process's tally (one per rank process)."""
     return _TRAFFIC
+
+
+_TAGS: dict = {}  # process group -> the name its traffic is also tallied under (``tag``)
+
+
+def tag(group: dist.ProcessGroup, name: str) -> None:
+    """Also tally what ``group`` is handed under ``name`` (``Traffic.tagged``; the records'
+    ``comm_bytes_<name>`` columns): a device mesh's dimensions are distinct process groups, so
+    each dimension's bytes are counted apart (``labkit.strategies.mesh4d``). Tag a group before
+    the loop watches it (``watch_all``), or ``watch`` it again after."""
+    _TAGS[group] = name
 
 
 def count_ops(on: bool = True) -> None:
@@ -224,6 +245,10 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
     }
     recv = int(HookOpName.RECV)
     names = {int(name): _NAMES[name] for name in _OPS}
+    label = _TAGS.get(pg)
+    if label is not None:
+        with lock:
+            _TRAFFIC.tagged.setdefault(label, {})
 
     def pre(args) -> None:
         kind = int(args.name)
@@ -239,6 +264,9 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
             _TRAFFIC.sent += on_wire
             if _TRAFFIC.ops is not None:
                 row = _TRAFFIC.ops.setdefault((names[kind], n), [0, 0, 0.0])
+                row[0], row[1], row[2] = row[0] + 1, row[1] + payload, row[2] + on_wire
+            if label is not None:
+                row = _TRAFFIC.tagged.setdefault(label, {}).setdefault(names[kind], [0, 0, 0.0])
                 row[0], row[1], row[2] = row[0] + 1, row[1] + payload, row[2] + on_wire
         if _TRAFFIC.timing:
             started[args.op_id] = (op, time.perf_counter(), payload)

@@ -77,6 +77,11 @@ class Recorder:
         }
         if "comm_ops" in traffic:  # each operation by (name, group size): labkit.wire.count_ops
             rec["comm_ops"] = traffic["comm_ops"]
+        if "comm_tagged" in traffic:  # a tagged group's share (labkit.wire.tag: a mesh dimension)
+            rec["comm_tagged"] = traffic["comm_tagged"]
+            for name, ops in traffic["comm_tagged"].items():
+                rec[f"comm_bytes_{name}"] = int(round(sum(row[2] for row in ops.values())))
+                rec[f"comm_calls_{name}"] = sum(row[0] for row in ops.values())
         if self.loss_as != "shard_loss":
             rec[self.loss_as] = loss
         rec.update(columns)

@@ -72,12 +72,19 @@ class Stage:
         return self.total - 1 in self.chunks if self.chunks else self.index == self.stages - 1
 
 
-def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories, schedule: str = "1f1b") -> Stage:
+def make_stage(
+    cfg: RunConfig,
+    ctx: RankContext,
+    fns: Factories,
+    schedule: str = "1f1b",
+    index: int | None = None,
+) -> Stage:
     """Build the whole model (seeded), agree on the cut, keep this rank's stage on ctx.device:
     stage ``rank % stages`` (ranks ``r * stages .. r * stages + stages - 1`` form replica r's
-    pipeline when data parallelism runs several, ``dp_pp``). A schedule with v chunks per
-    rank (``labkit.pipeline_schedules``) cuts the model into P·v chunks and keeps the ones
-    its placement gives this rank."""
+    pipeline when data parallelism runs several, ``dp_pp``), or ``index`` where a device mesh
+    places the stages otherwise (``mesh4d``: the rank's "pp" coordinate). A schedule with v
+    chunks per rank (``labkit.pipeline_schedules``) cuts the model into P·v chunks and keeps the
+    ones its placement gives this rank."""
     model = build_model(cfg, ctx, fns)
     dataset = fns.dataset(cfg)
     # one micro-batch of real samples: the shapes every boundary sees
@@ -87,7 +94,8 @@ def make_stage(cfg: RunConfig, ctx: RankContext, fns: Factories, schedule: str =
     with buffers_kept(model):  # probing shapes and costs must not train BatchNorm
         bounds = stage_bounds(cfg, ctx, model, x, cfg.stages * v)
         shapes = boundary_shapes(model, x)
-    s, ends = ctx.rank % cfg.stages, bounds[1:] + [len(model)]
+    s = ctx.rank % cfg.stages if index is None else index
+    ends = bounds[1:] + [len(model)]
     parts = split(model, bounds)
     mine = rank_chunks(schedule, cfg.stages, v, s)
     chunks = {c: parts[c] for c in mine}
@@ -213,10 +221,17 @@ def action(watch: Watch, kind: str, microbatch: int, chunk: int, *batch):
 
 
 def stage_watch(
-    cfg: RunConfig, ctx: RankContext, stage: Stage, schedule: str, impl: str, replica: int = 0
+    cfg: RunConfig,
+    ctx: RankContext,
+    stage: Stage,
+    schedule: str,
+    impl: str,
+    replica: int = 0,
+    **columns,
 ) -> Watch:
     """The watch of one stage's steps: its schedule's events on the shared clock, the CPU share
-    over the whole step, and the columns that say which stage of which pipeline it is."""
+    over the whole step, and the columns that say which stage of which pipeline it is
+    (``replica``: the pipeline; ``columns``: more of the rank's coordinates, e.g. on a mesh)."""
     log = ScheduleLog(stage.index, clock_offset(ctx))
     return Watch(
         cfg,
@@ -231,6 +246,7 @@ def stage_watch(
         virtual_stages=stage.virtual,
         schedule=schedule,
         impl=impl,
+        **columns,
     )
 
 

@@ -69,7 +69,7 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
 
 
 def scratch_schedule(
-    cfg: RunConfig, ctx: RankContext, stage: Stage, watch: Watch, schedule: str, loss_fn
+    cfg: RunConfig, ctx: RankContext, stage: Stage, watch: Watch, schedule: str, loss_fn, group=None
 ):
     """A step function running ``schedule`` with blocking recv and asynchronous sends.
 
@@ -81,14 +81,19 @@ def scratch_schedule(
     needs: that is what makes 1F1B's interleaving deadlock-free. Every message's tag names its
     chunk, micro-batch and direction, so a receive takes the message it asked for whatever the
     sender's order (an interleaved rank sends activations and gradients to the same neighbour).
+    ``group``: the pipeline's process group, its ranks in stage order (a device mesh's "pp"
+    dimension, ``mesh4d``), which then carries every message; by default the world, this
+    pipeline's stage s at global rank ``rank - stage + s``.
     """
     M, P, last = cfg.microbatches, cfg.stages, stage.total - 1
     actions = rank_actions(schedule, P, M, stage.index, stage.virtual)
     plan(watch, actions)
     base = ctx.rank - stage.index  # global rank of this pipeline's stage 0
+    ranks = None if group is None else dist.get_process_group_ranks(group)
 
     def rank_of(chunk: int) -> int:
-        return base + chunk_rank(schedule, P, chunk)
+        s = chunk_rank(schedule, P, chunk)
+        return base + s if ranks is None else ranks[s]
 
     def tag(chunk: int, m: int, grad: bool) -> int:  # into chunk's input (grad: out of it)
         return 2 * (chunk * M + m) + grad
@@ -96,7 +101,7 @@ def scratch_schedule(
     def recv(like: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(like.shape, dtype=like.dtype, device=ctx.device)
         with watch.phase("comm"):
-            dist.recv(buf, src=src, tag=tag)
+            dist.recv(buf, src=src, group=group, tag=tag)
         return buf
 
     def step(x, y) -> float | None:
@@ -118,7 +123,9 @@ def scratch_schedule(
                 if c == last:
                     losses.append(out.detach())
                 else:  # keep the tensor alive until its send completes
-                    work = dist.isend(out.detach(), dst=rank_of(c + 1), tag=tag(c + 1, m, False))
+                    work = dist.isend(
+                        out.detach(), dst=rank_of(c + 1), group=group, tag=tag(c + 1, m, False)
+                    )
                     sends.append((work, out))
                 held[c, m] = (inp, out)
             else:
@@ -128,7 +135,12 @@ def scratch_schedule(
                     torch.autograd.backward(out, grad)
                 if c > 0:
                     sends.append(
-                        (dist.isend(inp.grad, dst=rank_of(c - 1), tag=tag(c - 1, m, True)), inp)
+                        (
+                            dist.isend(
+                                inp.grad, dst=rank_of(c - 1), group=group, tag=tag(c - 1, m, True)
+                            ),
+                            inp,
+                        )
                     )
         with watch.phase("comm"):
             for work, _ in sends:
