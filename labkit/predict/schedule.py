@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..pipeline_schedules import chunk_rank, rank_actions  # the executor's order: one definition
+from ..pipeline_schedules import chunk_rank, rank_actions, spec  # the executor's order
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,11 @@ def simulate(
     ``costs.virtual`` chunks per rank. Every cost is its mean; with ``rng``, each action,
     hand-off and gap draws its own from ``costs.samples`` (one draw of the step)."""
     P, v = costs.stages, costs.virtual
+    if spec(schedule).virtual not in (None, v):
+        raise ValueError(
+            f"{schedule} runs {spec(schedule).virtual} chunks per rank, the costs have {v}: give "
+            f"costs with virtual={spec(schedule).virtual}"
+        )
     last = P * v - 1
     samples = costs.samples or {}
 
