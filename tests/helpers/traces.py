@@ -12,6 +12,7 @@ EVERY_KIND = {
     "pipeline_1f1b": {},
     "tp": {},
     "dp_tp": {"world_size": 4, "tp": 2},
+    "cp": {"model": "transformer"},  # context parallel: a sequence to split
     "dp_pp": {"world_size": 4},
     "local_sgd": {"period": 2},
     "async_ps": {"world_size": 3},
