@@ -48,6 +48,7 @@ from .core import DryRun, RankRun, factories, model_parameters
 
 GB = 1e9
 STATE = ("params", "grads", "optimizer")
+GATHERED = "the calculator's gathered layer (the meter: rest)"
 BYTES = {"params": 2, "grads": 2, "optimizer": 12}  # the paper's recipe, per parameter
 
 
@@ -97,7 +98,8 @@ def compared_rank(run: DryRun) -> RankRun:
 def beside(run: DryRun) -> pd.DataFrame:
     """One row per memory category and the total: the dry run's bytes (``compared_rank``),
     the calculator's, their difference, the named modelling choices (``why``: each with its
-    bytes), the calculator with them (``explained``) and what is left (``residual``)."""
+    bytes; ``terms``: the same as (name, bytes) pairs), the calculator with them
+    (``explained``) and what is left (``residual``)."""
     rank = compared_rank(run)
     if run.shape is not None and run.recipe == "paper":
         formula, named = _transformer_rows(run, rank)
@@ -122,6 +124,7 @@ def beside(run: DryRun) -> pd.DataFrame:
             "calculator": f,
             "difference": None if f is None else dry - f,
             "why": "; ".join(f"{name} {b / GB:+.3g} GB" for name, b in terms),
+            "terms": terms,
             "explained": explained,
             "residual": None if explained is None else dry - explained,
         })  # fmt: skip
@@ -187,8 +190,7 @@ def _transformer_rows(run: DryRun, rank: RankRun) -> tuple[dict, dict]:
             named[c].append(("FSDP pads dim 0 to a multiple of its ranks", BYTES[c] * pad))
         gathered = calc._gathered_layer(h, t, z, n, "paper")
         if gathered:
-            named["params"].append(("the calculator's gathered layer (the meter: rest)",
-                                    -gathered))  # fmt: skip
+            named["params"].append((GATHERED, -gathered))
     if z == 1 and n > 1:
         named["optimizer"].append((
             "ZeroRedundancyOptimizer owns whole tensors (this rank's share)",
@@ -249,9 +251,12 @@ def _tensor_shapes(run: DryRun) -> list[tuple]:
     if lay.pp > 1:
         bounds = even_bounds(len(blocks), lay.pp)
         blocks = blocks[: bounds[1]]
-    shapes, t = [], lay.tp
+    shapes, t, seen = [], lay.tp, set()
     for block in blocks:
         for name, p in block.named_parameters():
+            if id(p) in seen:  # a tied weight, held once
+                continue
+            seen.add(id(p))
             shape = list(p.shape)
             leaf = name.rsplit(".", 2)
             if t > 1 and len(leaf) >= 2 and leaf[-2] in ("qkv", "fc1"):
@@ -309,6 +314,12 @@ def _traffic_terms(run: DryRun, rank: RankRun, lay: Layout) -> tuple[dict, dict]
         per = (6 if lay.recompute == "full" else 4) * ar * act
         named["tensor"].append(("the pipeline cuts L + 2 blocks into equal counts",
                                 (stage - L // P) * m * per))  # fmt: skip
+    if t > 1 and lay.recompute == "full":
+        named["tensor"].append((
+            "torch's checkpoint stops recomputing once backward has what it needs: the MLP's "
+            "last all-reduce is not repeated (5 per layer, the advisor counts 6)",
+            -stage * m * ar * act,
+        ))  # fmt: skip
     if t > 1 and lay.sequence_parallel:
         named["tensor"].append(("the sequence gathered before the head, and the embedding's "
                                 "gradient in backward", 2 * m * ag * act))  # fmt: skip

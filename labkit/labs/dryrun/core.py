@@ -25,11 +25,13 @@ import math
 import time
 import traceback
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import Dataset
 
 from ... import registry, wire
@@ -43,6 +45,7 @@ from ...strategies import run_rank
 
 GB = 1e9
 RECIPES = ("labkit", "paper")
+ATTENTION = ("fused", "math")
 OPTIMIZERS = ("sgd_momentum", "adam")
 
 
@@ -363,15 +366,19 @@ def dryrun(
     optimizer: str | None = None,
     model_fn=None,
     data_fn=None,
+    attention: str = "fused",
 ) -> DryRun:
     """Run one step of ``cfg.strategy`` as ``rank`` of ``world_size`` (default
     ``cfg.world_size``) in this process, on tensors without storage (see the module docstring).
     ``rank``: a rank, a list of them, or None for ``ranks_that_differ``. ``shape``: a language
     model by its shape (else ``cfg.model``, or your ``model_fn`` and ``data_fn``); ``recipe``:
     "labkit" (fp32 weights, autocast by ``cfg.precision``, ``optimizer``) or "paper" (16-bit
-    weights, ``MasterAdam``)."""
+    weights, ``MasterAdam``). ``attention``: "fused" (SDPA's choice: a fused kernel that keeps
+    no s x s scores) or "math" (SDPA's reference path, which keeps the softmax's output)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
     cfg, fns, ranks = _plan(cfg, world_size, rank, shape, recipe, optimizer, model_fn, data_fn)
-    runs = [_one_rank(cfg, fns, r, role) for r, role in ranks]
+    runs = [_one_rank(cfg, fns, r, role, attention) for r, role in ranks]
     notes = [storage_less.NOTES[k] for k in _notes_for(cfg)]
     return DryRun(cfg, shape, recipe, runs, notes, fns=fns)
 
@@ -411,12 +418,13 @@ def _notes_for(cfg: RunConfig) -> list[str]:
     return keys
 
 
-def _one_rank(cfg: RunConfig, fns: Factories, rank: int, role: str) -> RankRun:
+def _one_rank(cfg: RunConfig, fns: Factories, rank: int, role: str, attention="fused") -> RankRun:
     """``rank``'s step on tensors without storage, read as a real run reads it."""
     t0 = time.perf_counter()
     reads = 0
+    kernel = nullcontext() if attention == "fused" else sdpa_kernel(SDPBackend.MATH)
     try:
-        with warnings.catch_warnings(), storage_less.rank(rank, cfg.world_size) as ctx:
+        with warnings.catch_warnings(), kernel, storage_less.rank(rank, cfg.world_size) as ctx:
             warnings.simplefilter("ignore")
             wire.count_ops()
             try:
