@@ -298,6 +298,20 @@ class RunConfig:
                 f"{self.strategy} splits the sequence over cp, not inside the tensor-parallel "
                 f"regions: set sequence_parallel=False (tp and dp_tp take it)"
             )
+        if not self.experts:
+            return
+        if t > 1:
+            raise ValueError(
+                f"{self.strategy} splits dense feed-forwards over tp, and spreads a mixture of "
+                f"experts over ep instead: set tp=1 (or experts=0)"
+            )
+        dp, e = self.world_size // (t * c * p), self.ep or 1
+        if e < 1 or dp % e or self.experts % e:
+            raise ValueError(
+                f"ep={self.ep}: {self.strategy} splits its dp = {dp} data-parallel ranks into "
+                f"groups of ep that share out the {self.experts} experts: set ep to a divisor "
+                f"of both {dp} and {self.experts} (or None: 1)"
+            )
 
     def _check_batch(self) -> None:
         self._check_virtual_stages()

@@ -173,7 +173,8 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dp_cp", "dp_cp", "composed", knobs=CONTEXT, colour="#bcbd22",
                  summary="data x context: dp replicas of a cp ring, 2-D mesh"),
         Strategy("mesh4d", "mesh4d", "composed",
-                 knobs=PIPELINE - {"pipeline_impl", "balance_stages"} | CONTEXT | {"tp"},
+                 knobs=PIPELINE - {"pipeline_impl", "balance_stages"} | CONTEXT | MOE
+                 | {"tp", "ep"},
                  schedule="1f1b", mesh=("pp", "dp", "cp", "tp"), colour="#5254a3",
                  summary="data x pipeline x context x tensor on one 4-D mesh, 1F1B between "
                  "stages"),

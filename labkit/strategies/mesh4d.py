@@ -27,13 +27,32 @@ heads); then sums the partial gradients over "cp" (each rank saw its positions) 
 over "dp". Nothing here averages over "tp" or "pp": each rank's slice of each parameter is its
 own. The result is single-device training on the global batch, which ``check`` compares.
 
+A fifth dimension where the blocks are a mixture of experts (``experts``, ``labkit.moe``):
+expert parallelism. As in Megatron-LM, the expert-parallel groups are carved out of the
+data-parallel ones: "dp" splits into ("edp", "ep") (a second mesh of shape pp x dp/ep x ep x cp
+x tp over the same ranks), the ``ep`` ranks of an "ep" group share out every block's experts
+and send each kept token to its expert's owner and back by all-to-all (``ep.spread_experts``),
+and the dp / ep "edp" groups hold copies of the same experts. Gradients: the dense parameters'
+averaged over all of "dp", an expert's (every "ep" rank's tokens already summed into it by the
+all-to-all) summed over its "edp" copies, then divided by dp as well. Tensor parallelism of the
+experts is not done here (``tp=1`` with experts). Each forward adds the auxiliary loss's gradient
+(``labkit.moe.AddAuxLoss``), and a step runs M of them on each of the cp ranks, whose gradients
+are summed: the coefficient is divided by M x cp, as Megatron-LM scales it by 1/M, so it weighs
+what ``aux_loss`` says over the step. Equal to single where the token groups are: a group's
+capacity and its auxiliary loss are counted over its tokens, and a pipeline's micro-batch (a
+contiguous slice of the replica's samples) holds other samples than single's groups (sample j
+in group j mod G), and a cp rank only its positions, so ``check`` matches single with nothing
+dropped (``capacity_factor >= experts / top_k``) and ``aux_loss=0``.
+
 Each dimension's groups are distinct process groups, tagged with the dimension's name
 (``labkit.wire.tag``), so a record says the bytes each dimension carried: ``comm_bytes_tp``,
-``comm_bytes_cp``, ``comm_bytes_pp``, ``comm_bytes_dp`` (``comm_tagged``: by operation).
+``comm_bytes_cp``, ``comm_bytes_pp``, ``comm_bytes_dp`` (and ``comm_bytes_ep``,
+``comm_bytes_edp``; ``comm_tagged``: by operation).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -45,6 +64,7 @@ from ..config import RunConfig
 from ..dist import RankContext, all_reduce_flat
 from ..factories import Factories
 from ..models import Block, Embed, Head
+from ..moe import moe_layers
 from ..rank.stages import Stage, make_stage, stage_watch, train_stages
 from .cp import (
     FromLastPosition,
@@ -55,10 +75,12 @@ from .cp import (
     positions,
     ring,
 )
+from .ep import spread_experts
 from .pipeline import scratch_schedule
 from .tp import full_state, parallelize
 
 DIMS = ("pp", "dp", "cp", "tp")  # the mesh's dimensions, outermost first (registry's ``mesh``)
+EXPERT_DIMS = ("pp", "edp", "ep", "cp", "tp")  # the same ranks, dp split in two for the experts
 SEQ = 1  # activations are (batch, sequence, hidden)
 
 
@@ -66,25 +88,28 @@ SEQ = 1  # activations are (batch, sequence, hidden)
 
 
 def degrees(cfg: RunConfig) -> dict[str, int]:
-    """Each dimension's size: tp, cp and pp (``stages``) as set (unset: 1), dp the rest."""
-    t, c, p = cfg.tensor_parallel, cfg.context_parallel, cfg.stages
-    return {"pp": p, "dp": cfg.world_size // (p * c * t), "cp": c, "tp": t}
+    """Each dimension's size: tp, cp and pp (``stages``) as set (unset: 1), dp the rest; ep
+    (unset: 1) of the dp ranks share out the experts, edp = dp / ep copies of them."""
+    t, c, p, e = cfg.tensor_parallel, cfg.context_parallel, cfg.stages, cfg.ep or 1
+    dp = cfg.world_size // (p * c * t)
+    return {"pp": p, "dp": dp, "cp": c, "tp": t, "edp": dp // e, "ep": e}
 
 
-def layout(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+def layout(sizes: dict[str, int], dims: tuple = DIMS) -> dict[str, list[list[int]]]:
     """The global ranks of every group of every dimension, as ``init_device_mesh`` lays them:
-    ranks numbered row-major over the ``DIMS`` grid (tp varying fastest), a dimension's groups
-    the lines along it. No process needed (the tests hold it against the mesh's own groups)."""
-    grid = torch.arange(math.prod(sizes[d] for d in DIMS)).reshape([sizes[d] for d in DIMS])
-    return {d: grid.movedim(i, -1).reshape(-1, sizes[d]).tolist() for i, d in enumerate(DIMS)}
+    ranks numbered row-major over the ``dims`` grid (tp varying fastest), a dimension's groups
+    the lines along it. No process needed (the tests hold it against the mesh's own groups).
+    ``EXPERT_DIMS``: the expert-parallel mesh, each "dp" group an edp x ep block of it."""
+    grid = torch.arange(math.prod(sizes[d] for d in dims)).reshape([sizes[d] for d in dims])
+    return {d: grid.movedim(i, -1).reshape(-1, sizes[d]).tolist() for i, d in enumerate(dims)}
 
 
-def coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+def coordinates(rank: int, sizes: dict[str, int], dims: tuple = DIMS) -> dict[str, int]:
     """``rank``'s place on the mesh: its index in each dimension."""
     out = {}
-    for d in reversed(DIMS):
+    for d in reversed(dims):
         rank, out[d] = divmod(rank, sizes[d])
-    return {d: out[d] for d in DIMS}
+    return {d: out[d] for d in dims}
 
 
 # ---- each stage split over its groups ------------------------------------------------------------
@@ -141,6 +166,19 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     if cp > 1:  # 3. its sequence split over the cp group, attention a ring
         split_sequence(stage.module, groups["cp"], cfg.cp_layout, cfg.seq_len)
         local_shapes(stage, cp)
+    for moe in moe_layers(stage.module):  # the auxiliary loss's gradient comes once per
+        aux = moe.spec.aux_loss / (cfg.microbatches * cp)  # forward: M micro-batches, cp ranks
+        moe.spec = dataclasses.replace(moe.spec, aux_loss=aux)  # summed: 1 / (M cp) each
+    expert: set[int] = set()  # the parameters of the experts this rank alone holds
+    if cfg.experts and sizes["ep"] > 1:  # 3b. the experts shared out over the ep group
+        shape = [sizes[d] for d in EXPERT_DIMS]
+        experts_mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=EXPERT_DIMS)
+        for d in ("edp", "ep"):
+            groups[d] = experts_mesh.get_group(d)
+            wire.tag(groups[d], d)
+        for moe in moe_layers(stage.module):
+            spread_experts(moe, groups["ep"])
+            expert |= {id(p) for p in moe.experts.parameters()}
     optimizer = fns.optimizer(cfg, stage.module.parameters())
     # one pipeline per (dp, cp, tp): the records' replica, each pipeline's bubble on its own
     pipeline = (me["dp"] * cp + me["cp"]) * tp + me["tp"]
@@ -154,11 +192,15 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
     def sync_grads() -> None:  # 5. partial sums over cp, then the mean over dp
         if cp > 1:  # each rank saw its positions: every gradient but the head's is partial
             allreduce_partial_grads(stage.module, groups["cp"])
-        if dp > 1:
-            grads = [p.grad for p in stage.module.parameters() if p.grad is not None]
-            all_reduce_flat(grads, group=groups["dp"])
-            for g in grads:
-                g /= dp
+        params = [p for p in stage.module.parameters() if p.grad is not None]
+        dense = [p.grad for p in params if id(p) not in expert]
+        spread = [p.grad for p in params if id(p) in expert]
+        if dp > 1 and dense:
+            all_reduce_flat(dense, group=groups["dp"])
+        if sizes["edp"] > 1 and spread:  # an expert's copies, each saw its own group's tokens
+            all_reduce_flat(spread, group=groups["edp"])
+        for g in dense + spread:  # the means over dp: the experts' sums too, ep's tokens
+            g /= dp  # summed in by the all-to-all
 
     out = train_stages(
         cfg,
@@ -172,6 +214,8 @@ def run(cfg: RunConfig, ctx: RankContext, fns: Factories) -> dict:
         sync_grads=sync_grads if dp > 1 or cp > 1 else None,
     )
     shape = " x ".join(f"{d} {sizes[d]}" for d in DIMS)
+    if expert:
+        shape += f" (dp as edp {sizes['edp']} x ep {sizes['ep']})"
     out["notes"].insert(
         0,
         f"mesh {shape} on {cfg.world_size} ranks (tp innermost): "

@@ -11,6 +11,7 @@ import pytest
 
 from labkit import RunConfig, experiment
 from labkit.labs.equivalence import _max_diff
+from labkit.strategies import mesh4d
 
 TOL = 1e-5
 F32 = 4  # bytes per value
@@ -133,6 +134,77 @@ def test_each_dimension_s_bytes_are_its_formula_s(pair):
     assert {d for d, v in totals.items() if v} == {d for d in sizes if sizes[d] > 1}
 
 
+# ---- a fifth dimension: experts shared out over ep, carved out of dp ----------------------------
+
+# nothing dropped (capacity >= every token of a group) and no auxiliary loss: a micro-batch's
+# token groups hold other samples than single's (labkit.strategies.mesh4d says why)
+EXPERTS = dict(experts=4, capacity_factor=4.0, aux_loss=0.0)
+WITH_EP = {
+    "dp x ep": dict(stages=1, ep=2),  # dp 4: two ep groups of 2, two copies of each expert
+    "ep x pp": dict(stages=2, ep=2),
+    "ep x cp": dict(cp=2, stages=1, ep=2),
+}
+
+
+@pytest.fixture(scope="module")
+def single_experts():
+    return experiment.run(SMALL.replace(strategy="single", world_size=1, **EXPERTS)).params
+
+
+@pytest.mark.parametrize("layout", WITH_EP)
+def test_experts_over_ep_train_like_single(single_experts, layout):
+    res = mesh_run(4, **WITH_EP[layout], **EXPERTS)
+    assert set(res.params) == set(single_experts)  # every expert, from the rank that holds it
+    diff = _max_diff(res.params, single_experts)
+    assert diff <= TOL, f"{layout}: {diff:g} from single"
+
+
+@pytest.mark.parametrize("layout", WITH_EP)
+def test_ep_s_all_to_alls_carry_the_rows_the_router_sent(layout):
+    """Per MoE block and micro-batch, the counts (E int64) and the kept rows there and back,
+    forward and backward: 8E + 2 x 4h x (rows this rank routed + rows routed to its experts)
+    bytes handed to the all-to-alls, the rows read from every rank's router tally (the
+    records' ``expert_routed`` minus ``expert_dropped``); the gradients over dp (the dense
+    parameters) and edp (the experts', held by dp / ep copies)."""
+    res = mesh_run(4, **WITH_EP[layout], **EXPERTS)
+    cfg, df = res.cfg, res.records
+    h, E, M = cfg.width, cfg.experts, cfg.microbatches
+    sizes = {"pp": cfg.stages, "cp": cfg.cp or 1, "tp": 1, "ep": cfg.ep}
+    sizes["dp"] = 4 // (sizes["pp"] * sizes["cp"])
+    sizes["edp"] = sizes["dp"] // sizes["ep"]
+    groups = mesh4d.layout(sizes, mesh4d.EXPERT_DIMS)["ep"]
+    per = E // sizes["ep"]
+    for step, at in df.groupby("step"):
+        kept = {
+            int(r["rank"]): [
+                [a - b for a, b in zip(routed, dropped)]
+                for routed, dropped in zip(r["expert_routed"], r["expert_dropped"])
+            ]
+            for _, r in at.iterrows()
+        }
+        for _, row in at.iterrows():
+            r = int(row["rank"])
+            peers = next(g for g in groups if r in g)
+            mine = range(peers.index(r) * per, (peers.index(r) + 1) * per)
+            layers = len(kept[r])
+            rows = sum(sum(counts) for counts in kept[r])
+            arriving = sum(
+                kept[q][layer][e] for q in peers for layer in range(layers) for e in mine
+            )
+            want = layers * M * 8 * E + 2 * 4 * h * (rows + arriving)
+            assert row["comm_tagged"]["ep"]["all_to_all"][1] == want, (layout, step, r)
+            # gradients: every dense one over dp, the experts' over their edp copies
+            stage, P = row["stage"], sizes["pp"]
+            embed = cfg.in_features * h + h + cfg.seq_len * h
+            head = 2 * h + h * cfg.classes + cfg.classes
+            dense = layers * (4 * h * h + 8 * h + h * E + E)
+            dense += (stage == 0) * embed + (stage == P - 1) * head
+            experts = layers * per * (8 * h * h + 5 * h)
+            d, edp = sizes["dp"], sizes["edp"]
+            assert row["comm_bytes_dp"] == round(2 * (d - 1) / d * dense * F32), (layout, r)
+            assert row["comm_bytes_edp"] == round(2 * (edp - 1) / edp * experts * F32), (layout, r)
+
+
 # ---- the whole mesh: three degrees of 2 at 8 ranks ----------------------------------------------
 
 
@@ -156,3 +228,13 @@ def test_three_degrees_of_2_at_8_ranks_train_like_single(single, name, degrees):
         want = expected_bytes(res.cfg, sizes, row)
         for d in ("tp", "cp", "pp", "dp"):
             assert row[f"comm_bytes_{d}"] == round(want[d]), (name, row["rank"], d)
+
+
+@pytest.mark.slow
+def test_experts_on_a_pp_x_dp_x_cp_mesh_with_ep_at_8_ranks_train_like_single(single_experts):
+    """Four dimensions with a mixture of experts: pp 2 x dp 2 x cp 2, the dp pairs sharing out
+    the experts (ep 2)."""
+    res = mesh_run(8, stages=2, cp=2, ep=2, **EXPERTS)
+    diff = _max_diff(res.params, single_experts)
+    assert diff <= TOL, f"pp x dp(ep) x cp: {diff:g} from single"
+    assert res.records["comm_bytes_ep"].gt(0).all()  # every rank sent rows to the others

@@ -74,9 +74,9 @@ def test_the_registry_row_names_the_module_s_dimensions():
 
 def test_degrees_unset_are_1_and_dp_takes_the_rest():
     cfg = MESH.replace(tp=2, cp=2, stages=2)
-    assert mesh4d.degrees(cfg) == {"pp": 2, "dp": 1, "cp": 2, "tp": 2}
+    assert mesh4d.degrees(cfg) == {"pp": 2, "dp": 1, "cp": 2, "tp": 2, "edp": 1, "ep": 1}
     cfg = MESH.replace(world_size=4, stages=1)
-    assert mesh4d.degrees(cfg) == {"pp": 1, "dp": 4, "cp": 1, "tp": 1}
+    assert mesh4d.degrees(cfg) == {"pp": 1, "dp": 4, "cp": 1, "tp": 1, "edp": 4, "ep": 1}
     cfg = MESH.replace(world_size=8, tp=2, stages=2, global_batch=64, microbatches=4)
     assert cfg.pipelines == 2 and cfg.batch_per_rank == 64 // (2 * 4)
 
@@ -96,3 +96,39 @@ def test_degrees_unset_are_1_and_dp_takes_the_rest():
 def test_bad_layouts_are_refused_with_the_fix(changes, fix):
     with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)")):
         MESH.replace(**changes)
+
+
+def test_the_expert_layout_splits_each_dp_group_into_ep_groups():
+    """Experts: dp's groups (of the 4-D mesh) are each an edp x ep block of the 5-D one."""
+    sizes = {"pp": 2, "dp": 4, "cp": 1, "tp": 1, "edp": 2, "ep": 2}
+    dense = mesh4d.layout(sizes)
+    experts = mesh4d.layout(sizes, mesh4d.EXPERT_DIMS)
+    assert dense["dp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert experts["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert experts["edp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for group in dense["dp"]:  # every ep and edp group lies inside one dp group
+        for d in ("ep", "edp"):
+            inside = [g for g in experts[d] if set(g) <= set(group)]
+            assert sorted(r for g in inside for r in g) == group, d
+    with fake_rank(5, 8):
+        shape = [sizes[d] for d in mesh4d.EXPERT_DIMS]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=mesh4d.EXPERT_DIMS)
+        assert dist.get_process_group_ranks(mesh.get_group("ep")) == [4, 5]
+        assert dist.get_process_group_ranks(mesh.get_group("edp")) == [5, 7]
+
+
+@pytest.mark.parametrize(
+    "changes, fix",
+    [
+        (dict(tp=2), "set tp=1 (or experts=0)"),
+        (dict(ep=3, world_size=6, global_batch=48), "set ep to a divisor of both 6 and 4"),
+        (dict(ep=8), "set ep to a divisor of both 8 and 4"),
+    ],
+)
+def test_bad_expert_layouts_are_refused_with_the_fix(changes, fix):
+    experts = MESH.replace(experts=4, stages=1)
+    with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)")):
+        experts.replace(**changes)
+    assert mesh4d.degrees(experts.replace(ep=2)) == {
+        "pp": 1, "dp": 8, "cp": 1, "tp": 1, "edp": 4, "ep": 2
+    }  # fmt: skip
