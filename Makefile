@@ -69,6 +69,7 @@ bench: $(STAMP)          ## Accelerate is installed for the side-by-side only (n
 	$(BIN)/python benchmarks/memory_precision.py
 	$(BIN)/python benchmarks/sync_async.py
 	$(BIN)/python benchmarks/sched_speed.py
+	$(BIN)/python benchmarks/dryrun_speed.py
 
 gpu-check: $(STAMP)     ## every strategy, check, hook, precision on CUDA/NCCL: out/gpu.{json,txt}
 	$(BIN)/python -m labkit.gpu_check --out out

@@ -24,6 +24,7 @@ _LAZY = {
     "grid": "experiment",
     "summarize": "records",
     "check": "labs.equivalence",
+    "dryrun": "labs.dryrun",  # one rank of a job of any size, on tensors without storage
     # one panel per lab
     "run_panel": "widgets",
     "pipeline_panel": "widgets",
@@ -35,6 +36,7 @@ _LAZY = {
     "sched_panel": "widgets",
     "moe_panel": "widgets",
     "cp_panel": "widgets",
+    "fit_panel": "widgets",
 }
 _SUBMODULES = (
     "registry",

@@ -6,6 +6,7 @@ from .base import BackgroundRun, mime_output
 from .comm_panel import CommPanel, WhatIfPanel, comm_panel
 from .cp_panel import CPPanel, cp_panel
 from .elastic_panel import ElasticPanel, elastic_panel
+from .fit_panel import FitPanel, fit_panel
 from .layout_panel import AdvisorPanel, LayoutPanel, advisor_panel, layout_panel
 from .memory_panel import MemoryPanel, memory_panel
 from .moe_panel import MoEPanel, moe_panel
@@ -44,4 +45,6 @@ __all__ = [
     "advisor_panel",
     "CPPanel",
     "cp_panel",
+    "FitPanel",
+    "fit_panel",
 ]

@@ -11,8 +11,10 @@ from .core import (
     TokenSequences,
     Transformer,
     dryrun,
+    layout_config,
     ranks_that_differ,
     real,
+    strategy_for_layout,
 )
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "TokenSequences",
     "Transformer",
     "dryrun",
+    "layout_config",
     "ranks_that_differ",
     "real",
+    "strategy_for_layout",
 ]

@@ -97,6 +97,9 @@ class Transformer:
             seq_len=self.seq_len,
             classes=self.vocab,
         )
+        batch = fields.get("global_batch", cfg.global_batch if cfg else 0)
+        if "dataset_size" not in fields:  # token sequences are drawn when read: any size is free
+            fields["dataset_size"] = max(batch, (cfg or RunConfig).dataset_size)
         return RunConfig(**shape, **fields) if cfg is None else cfg.replace(**shape, **fields)
 
     def __str__(self) -> str:
@@ -493,3 +496,71 @@ def model_parameters(cfg: RunConfig, fns: Factories) -> nn.Module:
     """The whole model on the meta device (shapes only): what the calculator traces."""
     with torch.device("meta"):
         return fns.model(cfg)
+
+
+# ---- a layout (the advisor's terms) as a labkit strategy and config -------------------------
+
+
+def strategy_for_layout(tp: int, pp: int, dp: int, zero: int) -> tuple[str | None, str]:
+    """The labkit strategy that runs tensor degree ``tp``, pipeline degree ``pp``, data degree
+    ``dp`` and ZeRO stage ``zero`` (found by the registry's properties), or None and why not."""
+    rows = registry.STRATEGIES.items()
+    if zero == 2:
+        return None, "no strategy in torch shards the gradients alone (ZeRO-2)"
+    if tp > 1 and pp > 1:
+        return None, "tensor and pipeline parallelism together: no labkit strategy composes both"
+    if pp > 1:
+        if zero:
+            return None, f"ZeRO-{zero} with pipeline stages: no labkit strategy shards them"
+        kind = "composed" if dp > 1 else "pipeline"
+        return next(n for n, s in rows if s.kind == kind and s.schedule == "1f1b"), ""
+    if tp > 1:
+        if zero == 1:
+            return None, "ZeRO-1 with tensor parallelism: no labkit strategy (fsdp_tp is ZeRO-3)"
+        if dp == 1:
+            if zero:
+                return None, "ZeRO shards over data-parallel ranks, and there is one"
+            return next(n for n, s in rows if s.kind == "tensor_parallel" and not s.dtensor), ""
+        return next(n for n, s in rows if s.kind == "composed" and "tp" in s.knobs
+                    and (s.zero_stage or 0) == zero), ""  # fmt: skip
+    if dp == 1:
+        return (registry.REFERENCE, "") if not zero else (None, "ZeRO needs data parallelism")
+    return next(n for n, s in rows if s.data_parallel and s.zero_stage == zero
+                and "shard_size" not in s.knobs), ""  # fmt: skip
+
+
+def layout_config(
+    shape: Transformer,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    zero: int,
+    microbatch: int,
+    recompute: str,
+    global_batch: int,
+    sequence_parallel: bool = False,
+) -> RunConfig:
+    """The RunConfig of a layout: its strategy (``strategy_for_layout``, or a ValueError saying
+    why none), ``microbatch`` samples per forward, the rest of each rank's share of
+    ``global_batch`` as micro-batches (a pipeline's M, else gradient accumulation), full
+    recomputation as per-block checkpointing (labkit's attention keeps no s x s scores: the
+    selective policy's memory, whatever ``recompute`` says otherwise)."""
+    name, why = strategy_for_layout(tp, pp, dp, zero)
+    if name is None:
+        raise ValueError(f"tp {tp} x pp {pp} x dp {dp}, ZeRO-{zero}: {why}")
+    if global_batch % (dp * microbatch):
+        raise ValueError(
+            f"a global batch of {global_batch} does not split into micro-batches of {microbatch} "
+            f"over {dp} data-parallel ranks: pick a multiple of {dp * microbatch}"
+        )
+    m = global_batch // (dp * microbatch)
+    fields = dict(strategy=name, world_size=tp * pp * dp, global_batch=global_batch,
+                  activation_checkpointing=recompute == "full")  # fmt: skip
+    if tp > 1:
+        fields.update(tp=tp, sequence_parallel=sequence_parallel)
+    if pp > 1:
+        fields.update(stages=pp, microbatches=m)
+    elif m > 1:
+        fields.update(accumulate=m)
+    return shape.config(**fields)
