@@ -480,6 +480,13 @@ class RunConfig:
                 f"experts must be >= 0 (0: the dense feed-forward), got {self.experts}"
             )
         if not self.experts:
+            if registry.get(self.strategy).kind == "expert_parallel":
+                raise ValueError(
+                    f"{self.strategy} spreads a mixture of experts' experts over the ranks, and "
+                    f"experts=0 keeps the dense feed-forward (nothing to spread): set experts, "
+                    f"a multiple of the ranks sharing them (e.g. experts="
+                    f"{2 * (self.ep or self.world_size)}), and model='transformer'"
+                )
             if changed:
                 raise ValueError(
                     f"{', '.join(changed)} shape a mixture of experts: set experts (E >= 1, "

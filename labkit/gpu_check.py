@@ -127,8 +127,9 @@ class Check:
 
 def config(target: Target, strategy: str, world_size: int, **changes) -> RunConfig:
     """``BASE`` for ``strategy`` at ``world_size`` on ``target``: a pipeline one stage per rank
-    (enough layers for them), the composed strategies 2-wide (tp=2, 2 stages), and a global
-    batch every rank that takes a slice of it divides (async_ps: its workers, not the server)."""
+    (enough layers for them), the composed strategies 2-wide (tp=2, 2 stages), the transformer
+    where a strategy splits its sequence or its experts (two per rank), and a global batch every
+    rank that takes a slice of it divides (async_ps: its workers, not the server)."""
     s = registry.get(strategy)
     kind = s.kind
     slices = world_size - 1 if s.server else world_size
@@ -141,6 +142,10 @@ def config(target: Target, strategy: str, world_size: int, **changes) -> RunConf
         layout.update(stages=2)
     elif "tp" in s.knobs:  # data x tensor
         layout.update(tp=2)
+    if kind in ("context_parallel", "expert_parallel") or s.mesh is not None:
+        layout.update(model="transformer")  # a sequence to split, feed-forwards to make experts
+    if kind == "expert_parallel":  # two experts per rank
+        layout.update(experts=2 * world_size)
     return BASE.replace(
         strategy=strategy,
         world_size=world_size,

@@ -104,12 +104,21 @@ def test_replace_validates_too():
 def test_defaults_are_valid_and_every_strategy_and_model_has_a_valid_config():
     RunConfig()
     for strategy in STRATEGIES:
-        # context parallelism splits a sequence: only the transformer has one
-        model = "transformer" if "cp" in STRATEGIES[strategy].knobs else "mlp"
-        cfg = RunConfig(strategy=strategy, world_size=1 if strategy == "single" else 2, model=model)
+        # context parallelism splits a sequence: only the transformer has one; expert
+        # parallelism spreads a mixture of experts, which only the transformer's blocks become
+        s = STRATEGIES[strategy]
+        model = "transformer" if "cp" in s.knobs or s.kind == "expert_parallel" else "mlp"
+        experts = 4 if s.kind == "expert_parallel" else 0
+        ws = 1 if strategy == "single" else 2
+        cfg = RunConfig(strategy=strategy, world_size=ws, model=model, experts=experts)
         assert cfg.strategy == strategy
     for model in MODELS:
         assert RunConfig(model=model).model == model
+
+
+def test_expert_parallelism_without_experts_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="set experts, a multiple of the ranks"):
+        RunConfig(strategy="ep", model="transformer")
 
 
 def test_frozen():
