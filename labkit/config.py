@@ -136,7 +136,7 @@ class RunConfig:
                            "E x sum_i f_i P_i (0: off)")  # fmt: skip
     router_skew: float = knob(0.0, "experts: added to expert 0's router logit (a skewed router)")
     expert_groups: int | None = knob(None, "experts: token groups per global batch, the capacity "
-                                     "counted in each; sample j in group j % groups (default: "
+                                     "counted in each; sample j in group j mod groups (default: "
                                      "one per data-parallel rank)")  # fmt: skip
     ep: int | None = knob(None, "ep: expert-parallel degree, ranks sharing out each block's "
                           "experts (default: all; world_size / ep copies of them)")  # fmt: skip
