@@ -10,8 +10,8 @@ the same all-to-alls in reverse: four per layer each way (q, k, v, out; then dO,
 
 Each all-to-all keeps 1/N of its input and sends the rest: (N-1)/N of one b x s/N x h tensor per
 rank. Four of them per layer forward is 4 (N-1)/N^2 of the sequence's b x s x h per rank, falling
-as N grows, where the ring sends 2 (N-1)/N of it whatever N: Ulysses moves fewer bytes, but N
-can be at most the number of heads, and every rank must hold whole heads. The whole sequence
+as N grows, where the ring sends 2 (N-1)/N of it, which rises towards 2: Ulysses moves fewer
+bytes, but N must divide the number of heads: every rank holds whole heads. The whole sequence
 meets on every rank, so the causal work is even with either placement; zig-zag only reorders
 the positions, put back in order before attention.
 """
