@@ -170,6 +170,9 @@ SMALL = {
     "memory": ["--steps", "2", "--width", "64"],
     "demo": ["--steps", "3", "--width", "64"],
     "comm": ["--sizes", "1KiB-16KiB"],
+    # the same dry run of a 2-layer model on 16 ranks (the 7B one takes a minute of CPU)
+    "dryrun": ["--world-size", "16", "--layers", "2", "--hidden", "64", "--heads", "4",
+               "--seq-len", "32", "--vocab", "100"],  # fmt: skip
 }
 # what a command's output must say (beyond exiting 0 without a traceback)
 EXPECT = {
@@ -180,6 +183,7 @@ EXPECT = {
     "memory": ["calculator error per category"],
     "schedule": ["fifo", "elastic", "mean"],
     "layout": ["tp"],
+    "dryrun": ["memory per rank", "collectives in one step", "all_gather"],
 }
 # what another test runs, named so the claim can fail: (file, test function)
 ELSEWHERE = {
