@@ -858,3 +858,29 @@ def test_pipeline_schedules_panel_in_a_browser(lab, browser):
     time.sleep(1)
     assert not kernel_ranks(lab)
     page.close()
+
+
+def test_fit_panel_in_a_browser(lab, browser):
+    OUT.mkdir(exist_ok=True)
+    page = open_and_run_all(
+        browser, lab, "16_will_it_fit.ipynb", only=("guesses = Guesses()", "panel = fit_panel()")
+    )
+    wait_status(page, r"fits.*of 11 GB usable", 10)  # the default layout, run by the cell
+
+    # as a person: ZeRO-0 (DDP, everything on every GPU) does not fit; said before and after Run
+    page.click(".widget-toggle-button:text-is('0')")
+    wait_status(page, r"ready: ddp: t 1 x P 1 x d 8 = 8 GPUs", 10)
+    page.click(".widget-button:has-text('Run')")
+    wait_status(page, r"does not fit.*of 11 GB usable", 180)
+    shown = panel_output(page)
+    page.screenshot(path=str(OUT / "browser-16-ddp.png"), full_page=True)
+    assert "will it fit?" in shown and "activations" in shown, shown[:800]
+    rows = output_table(page, "dry run GB")
+    total = next(r for r in rows if r["category"] == "total")
+    assert float(total["dry run GB"]) > 10.8, rows  # the bar's total, above the line
+
+    # a layout that cannot exist is refused before anything runs, with the fix
+    page.locator(".widget-dropdown:has(label:text-is('tensor t')) select").select_option("16")
+    wait_status(page, r"cannot run: t 16 x P 1 = 16 does not divide 8 GPUs", 10)
+    assert page.locator(".widget-button:has-text('Run')").is_disabled()
+    page.close()
