@@ -13,6 +13,7 @@ EVERY_KIND = {
     "tp": {},
     "dp_tp": {"world_size": 4, "tp": 2},
     "cp": {"model": "transformer"},  # context parallel: a sequence to split
+    "ep": {"model": "transformer", "experts": 4},  # expert parallel: experts to spread
     "dp_pp": {"world_size": 4},
     "local_sgd": {"period": 2},
     "async_ps": {"world_size": 3},

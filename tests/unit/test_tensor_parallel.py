@@ -6,13 +6,12 @@ tests/ranks/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.config import RunConfig
 from labkit.data import make_dataset
 from labkit.models import make_model, mlp
 from labkit.strategies import tp
@@ -85,8 +84,8 @@ def test_what_cannot_be_split_is_refused_with_the_fix():
 
 
 def test_transformer_factory_is_seeded_shaped_and_its_data_learnable():
-    cfg = SimpleNamespace(model="transformer", seed=0, in_features=8, width=32, depth=2, classes=5)
-    cfg.dataset_size, cfg.heads, cfg.seq_len = 256, 4, 8
+    cfg = RunConfig(model="transformer", seed=0, in_features=8, width=32, depth=2, classes=5)
+    cfg = cfg.replace(dataset_size=256, heads=4, seq_len=8)
     model, again = make_model(cfg), make_model(cfg)
     assert len(model) == cfg.depth + 2  # embedding, blocks, head: pipeline-cuttable
     for (n, p), (_, q) in zip(model.named_parameters(), again.named_parameters()):
