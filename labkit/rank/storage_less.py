@@ -100,7 +100,7 @@ class StorageLess(TorchDispatchMode):
         # plain tensors only (bookkeeping: a mesh's ranks, a sampler's order), or none at all
         if func.namespace == "c10d":
             return self._collective(func, args, kwargs)
-        if _has_tensor(args, kwargs) or _integer_factory(func, kwargs):
+        if _has_tensor(args, kwargs) or _integer_factory(func, args, kwargs):
             with _disable_current_modes():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)  # a factory of floating-point tensors: without storage
@@ -156,13 +156,15 @@ def _has_tensor(args, kwargs) -> bool:
     return False
 
 
-def _integer_factory(func, kwargs) -> bool:
+def _integer_factory(func, args, kwargs) -> bool:
     """A factory of integer tensors from Python values (``arange``, ``randperm``): bookkeeping
-    (a mesh's rank layout, a sampler's order), made for real."""
+    (a mesh's rank layout, a sampler's order, a rank's positions), made for real."""
     if func.overloadpacket in (torch.ops.aten.randperm,):
         return True
-    dtype = kwargs.get("dtype")
-    return func.overloadpacket is torch.ops.aten.arange and dtype in _INTEGER
+    if func.overloadpacket is not torch.ops.aten.arange:
+        return False
+    dtype = kwargs.get("dtype")  # unset: integer when every bound is an integer, as torch says
+    return dtype in _INTEGER or (dtype is None and all(isinstance(a, int) for a in args))
 
 
 def _done(value) -> dist.Work:
@@ -179,6 +181,11 @@ class DryBackend(_C10dBackend):
     at once, its work finished, its future holding the output tensors (torch's fake backend
     writes into some outputs, which crashes on tensors without storage, and its futures hold
     None). Registered as ``BACKEND``; ``rank(r, n)`` sets it up as rank r of n."""
+
+    # what torch asks a backend before it coalesces or splits: none of it (read as attributes:
+    # the binding looks them up on the Python object, and a property would ask C++ again)
+    supports_coalescing = supports_splitting = supports_time_estimate = False
+    supports_shrinking = supports_reconfigure = supports_window = False
 
     def getBackendName(self) -> str:
         return BACKEND

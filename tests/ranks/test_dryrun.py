@@ -26,6 +26,16 @@ CASES = {
                 "labkit"),
     "1f1b-2-bf16": (LM.config(strategy="pipeline_1f1b", world_size=2, stages=2, global_batch=8),
                     LM, "labkit"),
+    # the context-parallel, 4-D and interleaved strategies, as they landed
+    "cp-2": (RunConfig(strategy="cp", world_size=2, global_batch=8, seq_len=16, **TOY), None,
+             "labkit"),
+    "cp_ulysses-2": (RunConfig(strategy="cp_ulysses", world_size=2, global_batch=8, seq_len=16,
+                               **TOY), None, "labkit"),
+    "mesh4d-4": (RunConfig(strategy="mesh4d", world_size=4, tp=2, stages=2, global_batch=16,
+                           seq_len=16, **TOY), None, "labkit"),
+    "interleaved-2": (RunConfig(strategy="pipeline_interleaved", world_size=2, stages=2,
+                                virtual_stages=2, microbatches=4, global_batch=16, depth=4),
+                      None, "labkit"),
 }  # fmt: skip
 
 

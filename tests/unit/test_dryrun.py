@@ -113,3 +113,18 @@ def test_every_difference_from_the_formulas_is_a_named_choice(layout):
     assert 0 <= acts["residual"] < 0.01 * acts["dry_run"]  # ...the named choices are not
     traffic = B.traffic_beside(run).set_index("traffic")
     assert (traffic["residual"] == 0).all(), traffic
+
+
+@pytest.mark.parametrize(
+    "cfg, where",
+    [
+        (RunConfig(strategy="ep", world_size=2, experts=4, global_batch=16, model="transformer",
+                   width=32, depth=2, heads=4), "nonzero"),  # routing sizes depend on the data
+        (RunConfig(strategy="pipeline_zb", world_size=2, stages=2, microbatches=4,
+                   global_batch=16), "distributed_c10d"),  # torch's stages pickle their shapes
+    ],
+    ids=["ep", "pipeline_zb"],
+)  # fmt: skip
+def test_strategies_that_need_data_are_reported_not_estimated(cfg, where):
+    run = D.dryrun(cfg)
+    assert run.failed and all(where in r.error for r in run.ranks), [r.error for r in run.ranks]

@@ -340,10 +340,15 @@ def ranks_that_differ(cfg: RunConfig, fns: Factories) -> list[tuple[int, str]]:
     the first replica); under ZeRO-1 the ranks whose optimizer owns the most and the least (the
     partition ``ZeroRedundancyOptimizer`` makes, by whole tensors); under FSDP the last rank of
     a shard group when a tensor's first dimension does not split evenly (its shard is
-    shorter); else rank 0, which holds what every rank holds."""
+    shorter); under context parallelism the ranks holding the first and the last positions (the
+    head reads the last); else rank 0, which holds what every rank holds."""
     s, n = registry.get(cfg.strategy), cfg.world_size
-    if cfg.strategy in registry.STAGED:
-        return [(r, f"stage {r}") for r in range(cfg.stages)]
+    if cfg.strategy in registry.STAGED:  # on a mesh whose first dimension is "pp", stage p is
+        stride = n // cfg.stages if s.mesh[:1] == ("pp",) else 1  # rank p * N/P; else rank p
+        return [(r * stride, f"stage {r}") for r in range(cfg.stages)]
+    if "cp" in s.knobs and n > 1:  # the positions a rank holds: the last ones feed the head
+        ring = n if s.kind == "context_parallel" else (cfg.cp or n)
+        return [(0, "the first positions"), (ring - 1, "the last positions")]
     if s.zero_stage in (1, 3) and n > 1:
         with torch.device("meta"):
             shapes = [tuple(p.shape) for p in fns.model(cfg).parameters() if p.requires_grad]
@@ -438,8 +443,9 @@ def _one_rank(cfg: RunConfig, fns: Factories, rank: int, role: str, attention="f
                 wire.count_ops(False)
     except Exception as exc:  # reported as such, never filled in from a formula
         where = traceback.extract_tb(exc.__traceback__)[-1]
+        first = (str(exc).splitlines() or [""])[0]
         error = (
-            f"could not run without data: {type(exc).__name__}: {str(exc).splitlines()[0]} "
+            f"could not run without data: {type(exc).__name__}: {first} "
             f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})"
         )
         return RankRun(rank, role, error=error, seconds=time.perf_counter() - t0)
