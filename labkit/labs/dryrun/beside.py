@@ -327,9 +327,10 @@ def _traffic_terms(run: DryRun, rank: RankRun, lay: Layout) -> tuple[dict, dict]
                                 ar * 2 * 6 * h * stage))  # fmt: skip
     if P > 1:
         first_or_last = rank.rank % P in (0, P - 1)
-        sends = (1 if first_or_last else 2) * m * act / t
-        named["pipeline"].append(("a stage sends one message per micro-batch each way (the "
-                                  "advisor: 2(m + P - 1), its critical path)",
+        sends = (1 if first_or_last else 2) * m * act  # each tp rank its whole activation
+        named["pipeline"].append(("a stage sends one message per micro-batch each way, whole "
+                                  "on every tp rank (the advisor: 2(m + P - 1) of 1/t, its "
+                                  "critical path and Megatron-LM's split)",
                                   sends - formula["pipeline"]))  # fmt: skip
     if n > 1:
         shapes = _tensor_shapes(run)

@@ -513,8 +513,11 @@ def strategy_for_layout(tp: int, pp: int, dp: int, zero: int) -> tuple[str | Non
     rows = registry.STRATEGIES.items()
     if zero == 2:
         return None, "no strategy in torch shards the gradients alone (ZeRO-2)"
-    if tp > 1 and pp > 1:
-        return None, "tensor and pipeline parallelism together: no labkit strategy composes both"
+    if tp > 1 and pp > 1:  # a mesh with both dimensions (mesh4d: pp, dp, cp, tp)
+        name = next((n for n, s in rows if {"tp", "pp"} <= set(s.mesh)), None)
+        if name is None or zero:
+            return None, "tensor and pipeline parallelism together, with ZeRO: no labkit strategy"
+        return name, ""
     if pp > 1:
         if zero:
             return None, f"ZeRO-{zero} with pipeline stages: no labkit strategy shards them"
