@@ -190,12 +190,12 @@ class RunConfig:
             )
         self._check_knobs()
         self._check_mesh()
+        self._check_tensor_parallel()  # the degrees first: the batch is divided by them
+        self._check_hybrid_shard()
+        self._check_context_parallel()
         self._check_batch()
         self._check_balancing()
         self._check_checkpoint_dir()
-        self._check_tensor_parallel()
-        self._check_hybrid_shard()
-        self._check_context_parallel()
         self._check_strategy()
         self._check_experts()
         if self.dataset_size < self.global_batch:

@@ -166,3 +166,17 @@ def test_shard_size_is_hsdps_and_must_divide_the_world():
         RunConfig(strategy="hsdp", world_size=4, shard_size=3)
     with pytest.raises(ValueError, match="shard_size"):
         RunConfig(strategy="fsdp", world_size=4, shard_size=2)
+
+
+@pytest.mark.parametrize("knob", ["tp", "cp", "shard_size", "ep", "stages", "virtual_stages"])
+def test_a_degree_that_does_not_fit_the_world_is_a_valueerror_for_every_strategy(knob):
+    """A degree larger than the world (8 on 2 ranks) is refused with a ValueError naming the
+    fix, by every strategy that takes it: never an arithmetic error from dividing by it
+    (fsdp_tp with tp=8 raised ZeroDivisionError)."""
+    for name, s in STRATEGIES.items():
+        if knob not in s.knobs:
+            continue
+        model = "transformer" if "cp" in s.knobs or s.kind == "expert_parallel" else "mlp"
+        experts = 8 if s.kind == "expert_parallel" else 0
+        with pytest.raises(ValueError):
+            RunConfig(strategy=name, world_size=2, model=model, experts=experts, **{knob: 8})
