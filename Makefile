@@ -27,8 +27,8 @@ lint: $(STAMP)          ## ruff (lint and format check), import-linter (the laye
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-test-unit: $(STAMP)     ## the fast suite, to run after every edit: no test in it starts a process
-	$(BIN)/python -m pytest tests/unit
+test-unit: $(STAMP)     ## the fast suite, to run after every edit: no test starts a process (slow: test-py)
+	$(BIN)/python -m pytest tests/unit -m "not slow"
 
 test-py: $(STAMP)       ## tests/unit, tests/ranks (ranks, subprocesses), tests/course but the browser
 	$(BIN)/python -m pytest tests/unit tests/ranks tests/course \

@@ -171,8 +171,7 @@ SMALL = {
     "demo": ["--steps", "3", "--width", "64"],
     "comm": ["--sizes", "1KiB-16KiB"],
     # the same dry run of a 2-layer model on 16 ranks (the 7B one takes a minute of CPU)
-    "dryrun": ["--world-size", "16", "--layers", "2", "--hidden", "64", "--heads", "4",
-               "--seq-len", "32", "--vocab", "100"],  # fmt: skip
+    "dryrun": "--world-size 16 --layers 2 --hidden 64 --heads 4 --seq-len 32 --vocab 100".split(),
 }
 # what a command's output must say (beyond exiting 0 without a traceback)
 EXPECT = {
@@ -348,8 +347,9 @@ def test_make_targets_are_the_commands_the_readme_names():
         assert step in dry, f"make test no longer runs {step}"
     for folder in ("tests/unit", "tests/ranks", "tests/course"):
         assert folder in dry, f"make test no longer runs {folder}"
-    unit = make_dry("test-unit")
-    assert unit.stdout.strip().endswith("-m pytest tests/unit"), unit.stdout
+    unit = make_dry("test-unit")  # the edit loop leaves the slow unit tests to test-py
+    assert unit.stdout.strip().endswith('-m pytest tests/unit -m "not slow"'), unit.stdout
+    assert "not slow" not in make_dry("test-py").stdout
     assert (REPO / ".ci" / "run").read_text().strip().endswith("make test")
 
 
