@@ -12,7 +12,7 @@ between steps (``probe.finish`` building the record, ``ctx.report`` sending prog
 the slowest rank's time per step is the side's figure for the round. Each round compares the two
 sides and the ratio reported is the median of the per-round ratios: pairing rounds that ran
 seconds apart keeps load from other processes (which comes and goes over seconds) from landing
-on one side only. The last line is ``labkit/raw step-time ratio: X.XX`` (goal <= 1.05).
+on one side only. The last line is ``labkit/raw step-time ratio: X.XX`` (goal <= 1.02).
 Round ratios on this 2-core VM spread 0.8-1.3, so the median of 8 moved by +-0.05 from run to
 run (0.97, 1.03, 1.06 in three runs of the same code): 24 rounds is the default, and the report
 gives a bootstrap 90 % interval of the median beside it.
@@ -46,7 +46,7 @@ from labkit.strategies import run_rank
 from labkit.wire import unwatch
 
 WORLD_SIZE = 2
-GOAL_RATIO = 1.05
+GOAL_RATIO = 1.02  # #34: end to end, median of interleaved rounds
 
 
 def raw_ddp_rank(ctx, cfg: RunConfig) -> dict:
