@@ -31,15 +31,15 @@ test-unit: $(STAMP)     ## the fast suite, to run after every edit: no test star
 	$(BIN)/python -m pytest tests/unit -m "not slow"
 
 test-py: $(STAMP)       ## tests/unit, tests/ranks (ranks, subprocesses), tests/course but the browser
-	$(BIN)/python -m pytest tests/unit tests/ranks tests/course \
+	$(BIN)/python -m pytest tests/unit tests/ranks tests/course --durations=40 \
 		--ignore=tests/course/test_browser.py
 
 test-nb: $(STAMP)       ## every notebook under nbval; nobody is there to guess: stand-ins fill in
-	LABKIT_FILL_GUESSES=1 $(BIN)/python -m pytest $(NBVAL) notebooks
+	LABKIT_FILL_GUESSES=1 $(BIN)/python -m pytest $(NBVAL) --durations=0 notebooks
 
 test-browser: $(STAMP) chromium   ## JupyterLab in headless Chromium: Run All, then click
 	LABKIT_REQUIRE_BROWSER=$$(test "$$(id -u)" = 0 && command -v apt-get >/dev/null && echo 1) \
-	$(BIN)/python -m pytest -ra tests/course/test_browser.py
+	$(BIN)/python -m pytest -ra --durations=0 tests/course/test_browser.py
 
 chromium:               ## Debian's Chromium (Playwright cannot download its own browser here)
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \

@@ -79,12 +79,6 @@ def test_dp_by_ep_on_a_mesh_trains_as_single_and_counts_each_dimension_apart():
     assert (b["counted_payload_bytes"] == b["router_payload_bytes"]).all(), b.to_string()
 
 
-def test_ep_without_experts_runs_as_data_parallelism_and_says_so():
-    res = ex.experiment.run(MOE.replace(experts=0, capacity_factor=1.25, router_skew=0.0))
-    assert any("ran as data parallelism" in n for n in res.notes), res.notes
-    assert "expert_routed" not in res.records
-
-
 def test_the_panel_runs_its_preset_then_a_skewed_router_and_refuses_bad_input():
     import json
 

@@ -131,6 +131,7 @@ def test_the_transformer_takes_a_mixture_of_experts_from_the_config():
         (dict(model="transformer", experts=4, expert_groups=3), "multiple of 2"),
         (dict(model="transformer", experts=4, expert_groups=4, global_batch=6), "multiple of"),
         (dict(model="transformer", experts=3, strategy="ep"), "multiple of 2"),
+        (dict(model="transformer", experts=0, strategy="ep"), "nothing to spread"),
         (dict(model="transformer", experts=4, strategy="zero1"), "set experts=0"),
         (dict(model="transformer", experts=4, skew=0.5, strategy="ddp"), "skew=0"),
         (dict(model="transformer", experts=4, strategy="ep", world_size=4, ep=3), "divisor of 4"),
