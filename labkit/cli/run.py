@@ -36,7 +36,8 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--tol", type=float, default=1e-5, help="largest difference allowed")
     add_config_arguments(p, sweep=("strategy",))
-    p.set_defaults(func=cmd_check, steps=5, strategies=DP_STRATEGIES)
+    # None: the model the strategies need (a transformer for cp and ep, experts for ep)
+    p.set_defaults(func=cmd_check, steps=5, strategies=DP_STRATEGIES, model=None, experts=None)
 
     p = sub.add_parser("memory", help="memory per rank by category, counted and calculated")
     p.add_argument("--optimizer", default="sgd_momentum", choices=("sgd_momentum", "adam"))
@@ -167,30 +168,30 @@ def _report(args, base: RunConfig, records) -> int:
 
 def cmd_check(args) -> int:
     one_run_only(args)
-    from ..labs.equivalence import check, world_size_for
+    import pandas as pd
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
-    names = csv(args.strategies, flag="--strategies")
-    # the flags are validated against the first strategy checked (a knob such as --comm-hook
-    # belongs to it, not to the single-device reference, which drops it), or with --tp the
-    # first that splits layers (the others drop it: equivalence.config_for)
-    first = next((s for s in names if s != registry.REFERENCE), registry.REFERENCE)
-    if args.tp is not None or args.sequence_parallel:
-        first = next((s for s in names if "tp" in registry.get(s).knobs), first)
-    if args.cp is not None or args.cp_layout != RunConfig.__dataclass_fields__["cp_layout"].default:
-        first = next((s for s in names if "cp" in registry.get(s).knobs), first)
-    base = config_from_args(
-        args, strategy=first, world_size=world_size_for(first, args.world_size, args.stages)
-    )
     if not args.tol > 0:
         raise ValueError(f"--tol must be positive, got {args.tol}")
-    result = check(
-        base,
-        names,
-        args.world_size,
-        steps=args.steps,
-        tol=args.tol,
+    names = csv(args.strategies, flag="--strategies")
+    groups = _model_groups(args, names)
+    for group, model in groups:  # every group's flags valid before anything runs
+        _check_config(args, group, **model)
+    if (args.model is None or args.experts is None) and any(
+        m["model"] != RunConfig.__dataclass_fields__["model"].default or m["experts"]
+        for _, m in groups
+    ):
+        print(
+            "; ".join(
+                f"{', '.join(g)}: model={m['model']!r}"
+                + (f", experts={m['experts']}" if m["experts"] else "")
+                for g, m in groups
+            )
+            + " (--model and --experts choose)"
+        )
+    result = pd.concat(
+        [_check_group(args, group, **model) for group, model in groups], ignore_index=True
     )
     print(result.drop(columns=["why"]).to_string(index=False))
     for _, row in result[result["why"] != ""].iterrows():
@@ -206,6 +207,53 @@ def cmd_check(args) -> int:
         + (f" ({', '.join(wide['strategy'])} compared in float64)" if len(wide) else "")
     )
     return 0
+
+
+def _model_groups(args, names: list[str]) -> list[tuple[list[str], dict]]:
+    """The strategies of one ``check`` grouped by the model each is checked on: what ``--model``
+    and ``--experts`` say, or, left out, the one the strategy needs (a transformer to split the
+    sequence of, cp; a mixture of experts to spread, ep, on ``2 x world size`` experts; the MLP
+    for the rest), each group against its own single-device run."""
+    dense = RunConfig.__dataclass_fields__["model"].default
+
+    def needs(name: str) -> dict:
+        s = registry.get(name)
+        spread = s.kind == "expert_parallel"
+        experts = args.experts if args.experts is not None else 2 * args.world_size * spread
+        lm = spread or "cp" in s.knobs or experts
+        return dict(model=args.model or ("transformer" if lm else dense), experts=experts)
+
+    wanted = {name: needs(name) for name in names}
+    if args.model is None and any(m["model"] != dense for m in wanted.values()):
+        wanted = {n: {**m, "model": "transformer"} for n, m in wanted.items()}  # one LM for all
+    groups: dict[tuple, list[str]] = {}
+    for name, model in wanted.items():
+        groups.setdefault(tuple(model.items()), []).append(name)
+    return [(group, dict(key)) for key, group in groups.items()]
+
+
+def _check_config(args, names: list[str], **model) -> RunConfig:
+    """The flags as the config of one check: validated against the first strategy checked (a
+    knob such as --comm-hook belongs to it, not to the single-device reference, which drops it),
+    or with --tp the first that splits layers (the others drop it: equivalence.config_for)."""
+    from ..labs.equivalence import world_size_for
+
+    first = next((s for s in names if s != registry.REFERENCE), registry.REFERENCE)
+    if args.tp is not None or args.sequence_parallel:
+        first = next((s for s in names if "tp" in registry.get(s).knobs), first)
+    if args.cp is not None or args.cp_layout != RunConfig.__dataclass_fields__["cp_layout"].default:
+        first = next((s for s in names if "cp" in registry.get(s).knobs), first)
+    return config_from_args(
+        args, strategy=first, world_size=world_size_for(first, args.world_size, args.stages),
+        **model,
+    )  # fmt: skip
+
+
+def _check_group(args, names: list[str], **model):
+    from ..labs.equivalence import check
+
+    base = _check_config(args, names, **model)
+    return check(base, names, args.world_size, steps=args.steps, tol=args.tol)
 
 
 def cmd_demo(args) -> int:
