@@ -170,14 +170,15 @@ def cmd_check(args) -> int:
     one_run_only(args)
     import pandas as pd
 
+    from ..labs.equivalence import check
+
     if args.world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
     if not args.tol > 0:
         raise ValueError(f"--tol must be positive, got {args.tol}")
     names = csv(args.strategies, flag="--strategies")
     groups = _model_groups(args, names)
-    for group, model in groups:  # every group's flags valid before anything runs
-        _check_config(args, group, **model)
+    bases = [_check_config(args, group, **model) for group, model in groups]  # all valid first
     if (args.model is None or args.experts is None) and any(
         m["model"] != RunConfig.__dataclass_fields__["model"].default or m["experts"]
         for _, m in groups
@@ -191,7 +192,11 @@ def cmd_check(args) -> int:
             + " (--model and --experts choose)"
         )
     result = pd.concat(
-        [_check_group(args, group, **model) for group, model in groups], ignore_index=True
+        [
+            check(base, group, args.world_size, steps=args.steps, tol=args.tol)
+            for base, (group, _) in zip(bases, groups)
+        ],
+        ignore_index=True,
     )
     print(result.drop(columns=["why"]).to_string(index=False))
     for _, row in result[result["why"] != ""].iterrows():
@@ -219,7 +224,9 @@ def _model_groups(args, names: list[str]) -> list[tuple[list[str], dict]]:
     def needs(name: str) -> dict:
         s = registry.get(name)
         spread = s.kind == "expert_parallel"
-        experts = args.experts if args.experts is not None else 2 * args.world_size * spread
+        experts = 2 * args.world_size if spread else 0  # unless --experts says
+        if args.experts is not None:
+            experts = args.experts
         lm = spread or "cp" in s.knobs or experts
         return dict(model=args.model or ("transformer" if lm else dense), experts=experts)
 
@@ -247,13 +254,6 @@ def _check_config(args, names: list[str], **model) -> RunConfig:
         args, strategy=first, world_size=world_size_for(first, args.world_size, args.stages),
         **model,
     )  # fmt: skip
-
-
-def _check_group(args, names: list[str], **model):
-    from ..labs.equivalence import check
-
-    base = _check_config(args, names, **model)
-    return check(base, names, args.world_size, steps=args.steps, tol=args.tol)
 
 
 def cmd_demo(args) -> int:
