@@ -1,7 +1,7 @@
-"""The mixture-of-experts panel: experts, top-k, capacity factor, router skew and the auxiliary
-loss's coefficient; Run trains labkit's transformer with expert parallelism (``ep``) on real
-ranks, then draws each expert's and each rank's share of the tokens over the steps, the drops,
-and what the all-to-alls carried beside the formula."""
+"""The mixture-of-experts panel: experts, top-k, capacity factor, router skew, the auxiliary
+loss's coefficient and the steps; Run trains labkit's transformer with expert parallelism (``ep``)
+on real ranks, then draws each expert's and each rank's share of the tokens over the steps, the
+drops, and what the all-to-alls carried beside the formula."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .base import BackgroundRun
 
 
 class MoEPanel(BackgroundRun):
-    """Experts E, top-k, capacity factor, router skew, aux loss; each Run adds a row to the
+    """Experts E, top-k, capacity factor, router skew, aux loss, steps; each Run adds a row to the
     table (the busiest expert over an even share, assignments dropped, the aux loss)."""
 
     def __init__(self, base: RunConfig):
@@ -55,12 +55,15 @@ class MoEPanel(BackgroundRun):
             description="aux loss coefficient",
             style=style,
         )
+        self.steps = W.IntSlider(  # longer runs: the router settling, the aux loss at work
+            value=base.steps, min=1, max=500, description="steps", style=style
+        )
         self.controls = W.VBox(
             [W.HBox([W.VBox([self.experts, self.top_k]), W.VBox([self.capacity, self.skew])]),
-             self.aux]
+             W.HBox([self.aux, self.steps])]
         )  # fmt: skip
         self.widget = self.layout()
-        for c in (self.experts, self.top_k, self.capacity, self.skew, self.aux):
+        for c in (self.experts, self.top_k, self.capacity, self.skew, self.aux, self.steps):
             c.observe(lambda _: self.check_controls(), names="value")
         self.check_controls()
 
@@ -71,6 +74,7 @@ class MoEPanel(BackgroundRun):
             capacity_factor=self.capacity.value,
             router_skew=self.skew.value,
             aux_loss=self.aux.value,
+            steps=self.steps.value,
         )
 
     def label(self, cfg: RunConfig) -> str:

@@ -810,7 +810,9 @@ def test_moe_panel_in_a_browser(lab, browser):
     page.click(".widget-toggle-button:text-is('2')")
     wait_status(page, r"ready: E=2 top-2", 10)
 
-    # Stop ends a run within a second, every rank with it
+    # Stop ends a long run within seconds, every rank with it (12 steps end in about a second)
+    set_slider(page, "steps", "400")
+    wait_status(page, r"ready: E=2 top-2 .* 400 steps", 10)
     page.click(".widget-button:has-text('Run')")
     deadline = time.time() + 60
     while not kernel_ranks(lab) and time.time() < deadline:
