@@ -881,8 +881,16 @@ def test_fit_panel_in_a_browser(lab, browser):
     total = next(r for r in rows if r["category"] == "total")
     assert float(total["dry run GB"]) > 10.8, rows  # the bar's total, above the line
 
-    # 4 pipeline stages: 4 ranks differ, dry-run one after another (a bar each). Stop, then the
-    # kernel's Interrupt, end a run between ranks once one has finished; then one runs through
+    # a layout that cannot exist is refused before anything runs, with the fix
+    tensor = page.locator(".widget-dropdown:has(label:text-is('tensor t')) select")
+    tensor.select_option("16")
+    wait_status(page, r"cannot run: t 16 x P 1 = 16 does not divide 8 GPUs", 10)
+    assert page.locator(".widget-button:has-text('Run')").is_disabled()
+    tensor.select_option("1")
+
+    # 4 pipeline stages: 4 ranks differ, dry-run one after another (a bar each). After that
+    # "cannot run", Stop, then the kernel's Interrupt, end a run between ranks once one has
+    # finished; then one runs through
     page.locator(".widget-dropdown:has(label:text-is('pipeline P')) select").select_option("4")
     wait_status(page, r"ready: dp_pp: t 1 x P 4 x d 2 = 8 GPUs", 10)
     stops = {"the Stop button": lambda: page.click(".widget-button:has-text('Stop')"),
@@ -903,9 +911,4 @@ def test_fit_panel_in_a_browser(lab, browser):
     wait_status(page, r"fits.*dry run of 4 rank\(s\)", 180)
     page.screenshot(path=str(OUT / "browser-16-pipeline.png"), full_page=True)
     assert len(output_table(page, "dry run GB")) > 1
-
-    # a layout that cannot exist is refused before anything runs, with the fix
-    page.locator(".widget-dropdown:has(label:text-is('tensor t')) select").select_option("16")
-    wait_status(page, r"cannot run: t 16 x P 4 = 64 does not divide 8 GPUs", 10)
-    assert page.locator(".widget-button:has-text('Run')").is_disabled()
     page.close()
