@@ -226,12 +226,20 @@ def costs_from_steps(steps: Sequence[Sequence[dict]], stages: int) -> ScheduleCo
     def mean(xs) -> float:
         return max(0.0, statistics.fmean(xs)) if xs else 0.0
 
-    links = stages - 1 + (stages - 1 in hop and stages > 2)  # the wrap link, where it was used
+    # the wrap link where a hand-off across it was seen with its rank idle; used only while its
+    # rank was busy it has no sample, and (as in ScheduleCosts.mean) the links' mean stands in
+    links = stages - 1 + (stages - 1 in hop and stages > 2)
     handoff = tuple(mean(hop.get(b)) for b in range(links))
+
+    def hand(b: int | None) -> float:
+        if b is None:
+            return 0.0
+        return handoff[b] if b < len(handoff) else mean(handoff)
+
     for s, b, dep_end, prev_end, start in waits:
         if prev_end is None:
             continue
-        if dep_end is None or dep_end + (handoff[b] if b is not None else 0.0) <= prev_end:
+        if dep_end is None or dep_end + hand(b) <= prev_end:
             gap.setdefault(s, []).append(start - prev_end)
     samples = {
         **{(kind, c): tuple(max(0.0, x) for x in v) for (kind, c), v in dur.items()},

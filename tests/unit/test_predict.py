@@ -99,3 +99,23 @@ def test_flops_per_sample_counts_what_the_formula_says():
     forward, backward = flops_per_sample(cfg)
     assert forward == sum(2 * a * b for a, b in dims)
     assert backward == 2 * forward - 2 * dims[0][0] * dims[0][1]
+
+
+def test_a_wrap_link_used_only_while_its_rank_was_busy_reads_without_a_sample():
+    # three ranks, chunk 3 on rank 0 takes chunk 2's output across the wrap link (rank 2 -> 0);
+    # rank 0 is still busy when it arrives, so that link has no hand-off sample. CI's run of
+    # interleaved on three ranks hit exactly this and the reader indexed past the measured links
+    def ev(stage, chunk, m, start, end):
+        return dict(stage=stage, chunk=chunk, microbatch=m, kind="F", start=start, end=end)
+
+    events = [
+        ev(0, 0, 0, 0.0, 1.0),
+        ev(1, 1, 0, 1.1, 2.1),
+        ev(2, 2, 0, 2.2, 3.2),
+        ev(0, 0, 1, 1.0, 4.0),  # rank 0 busy past chunk 2's end
+        ev(0, 3, 0, 4.0, 5.0),
+    ]
+    got = costs_from_steps([events], 3)
+    assert got.handoff_s == pytest.approx((0.1, 0.1))  # the two neighbour links, no wrap
+    assert got.mean("hop", 2) == pytest.approx(0.1)  # the wrap reads as the links' mean
+    assert got.samples[("gap", 0)] == pytest.approx((0.0, 0.0))  # both of rank 0's follow-ons
