@@ -6,8 +6,11 @@ tests/ranks/test_predict.py."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from labkit.pipeline_schedules import SCHEDULES, spec
 from labkit.predict import ScheduleCosts, costs_from_steps, predict_step, simulate
 from labkit.predict.schedule import theory_bubble
 
@@ -119,3 +122,39 @@ def test_a_wrap_link_used_only_while_its_rank_was_busy_reads_without_a_sample():
     assert got.handoff_s == pytest.approx((0.1, 0.1))  # the two neighbour links, no wrap
     assert got.mean("hop", 2) == pytest.approx(0.1)  # the wrap reads as the links' mean
     assert got.samples[("gap", 0)] == pytest.approx((0.0, 0.0))  # both of rank 0's follow-ons
+
+
+def test_the_reader_takes_any_jittered_run_of_every_schedule():
+    # real runs are simulated runs plus a machine's noise: each action late by a random amount
+    # and longer by another. Whatever the noise, the costs read back must drive the predictor
+    # (CI's wrap-link IndexError came from such a run; the reader before its fix fails here)
+    rng = random.Random(1)
+    for _ in range(400):
+        schedule = rng.choice(list(SCHEDULES))
+        v = spec(schedule).virtual or rng.choice([1, 2])
+        P, M = rng.choice([2, 3, 4]), rng.choice([1, 2, 3, 4, 6, 8])
+        n = P * v
+
+        def draw(k, lo, hi):
+            return tuple(rng.uniform(lo, hi) for _ in range(k))
+
+        costs = ScheduleCosts(
+            draw(n, 0.1, 3), draw(n, 0.1, 3), draw(P, 0, 2), draw(P, 0, 0.5),
+            input_s=draw(n, 0.1, 2), weight_s=draw(n, 0.1, 2), virtual=v,
+        )  # fmt: skip
+        try:
+            events = simulate(schedule, M, costs)
+        except (ValueError, RuntimeError):  # a schedule that needs other counts of M or P
+            continue
+        steps = []
+        for _ in range(rng.choice([1, 2, 3])):
+            noisy = [dict(e) for e in events]
+            for e in noisy:
+                late = rng.uniform(0, 1)
+                e["start"] += late
+                e["end"] += late + rng.uniform(0, 0.5)
+            steps.append(noisy)
+        got = costs_from_steps(steps, P)
+        assert got.virtual == v
+        out = predict_step(schedule, M, got, draws=2)
+        assert out["span_s"] > 0 and 0 <= out["bubble"] < 1
