@@ -86,14 +86,20 @@ class ScheduleCosts:
         if kind == "gap":
             return self.gap_s[index] if self.gap_s else 0.0
         if kind == "hop":
-            if index < len(self.handoff_s):
-                return self.handoff_s[index]
-            return statistics.fmean(self.handoff_s) if self.handoff_s else 0.0
+            return _link_handoff(self.handoff_s, index)
         if kind == "I":
             return self.input_s[index] if self.input_s else self.backward_s[index] / 2
         if kind == "W":
             return self.weight_s[index] if self.weight_s else self.backward_s[index] / 2
         return {"F": self.forward_s, "B": self.backward_s}[kind][index]
+
+
+def _link_handoff(handoff_s: Sequence[float], link: int) -> float:
+    """The hand-off across ``link``; a link with no sample of its own (the wrap link when every
+    hand-off across it came while its rank was busy) reads as the measured links' mean."""
+    if link < len(handoff_s):
+        return handoff_s[link]
+    return statistics.fmean(handoff_s) if handoff_s else 0.0
 
 
 def boundary(a: int, b: int, stages: int) -> int:
@@ -226,20 +232,13 @@ def costs_from_steps(steps: Sequence[Sequence[dict]], stages: int) -> ScheduleCo
     def mean(xs) -> float:
         return max(0.0, statistics.fmean(xs)) if xs else 0.0
 
-    # the wrap link where a hand-off across it was seen with its rank idle; used only while its
-    # rank was busy it has no sample, and (as in ScheduleCosts.mean) the links' mean stands in
-    links = stages - 1 + (stages - 1 in hop and stages > 2)
+    links = stages - 1 + (stages - 1 in hop and stages > 2)  # the wrap link, where sampled
     handoff = tuple(mean(hop.get(b)) for b in range(links))
-
-    def hand(b: int | None) -> float:
-        if b is None:
-            return 0.0
-        return handoff[b] if b < len(handoff) else mean(handoff)
-
     for s, b, dep_end, prev_end, start in waits:
         if prev_end is None:
             continue
-        if dep_end is None or dep_end + hand(b) <= prev_end:
+        hop_s = _link_handoff(handoff, b) if b is not None else 0.0
+        if dep_end is None or dep_end + hop_s <= prev_end:
             gap.setdefault(s, []).append(start - prev_end)
     samples = {
         **{(kind, c): tuple(max(0.0, x) for x in v) for (kind, c), v in dur.items()},
