@@ -300,6 +300,14 @@ def interrupt_kernel(page) -> None:
     page.click(".lm-Menu-itemLabel:text-is('Interrupt Kernel')")
 
 
+def stoppers(page) -> dict:
+    """The two ways a person ends a run, keyed by the name the panel's status gives each."""
+    return {
+        "the Stop button": lambda: page.click(".widget-button:has-text('Stop')"),
+        "the kernel's Interrupt": lambda: interrupt_kernel(page),
+    }
+
+
 def kernel_ranks(lab) -> list[psutil.Process]:
     """Rank processes still alive under the kernel (children of its forkserver)."""
     ranks = []
@@ -667,10 +675,7 @@ def test_scheduling_panel_in_a_browser(lab, browser):
     set_slider(page, "nodes", "1")
     page.select_option(".widget-select-multiple select", ["maxmin"])
     wait_status(page, r"ready: 3000 jobs at 160% .* on 1x8 \(8 GPUs\): maxmin", 10)
-    for stop, said in (
-        (lambda: interrupt_kernel(page), "the kernel's Interrupt"),
-        (lambda: page.click(".widget-button:has-text('Stop')"), "the Stop button"),
-    ):
+    for said, stop in reversed(stoppers(page).items()):  # the Interrupt first, then Stop
         seen, t0 = run_and_watch_bars(page, ".widget-button:has-text('Run')", stop)
         status = wait_status(page, rf"stopped by {said}", 10)
         assert seen > 0.02 and time.time() - t0 < 5, (seen, time.time() - t0)
@@ -814,9 +819,7 @@ def test_moe_panel_in_a_browser(lab, browser):
     # (the preset's 12 steps end in about a second)
     set_slider(page, "steps", "400")
     wait_status(page, r"ready: E=2 top-2 .* 400 steps", 10)
-    stops = {"the Stop button": lambda: page.click(".widget-button:has-text('Stop')"),
-             "the kernel's Interrupt": lambda: interrupt_kernel(page)}  # fmt: skip
-    for by, stop in stops.items():
+    for by, stop in stoppers(page).items():
         page.click(".widget-button:has-text('Run')")
         deadline = time.time() + 60
         while not kernel_ranks(lab) and time.time() < deadline:
@@ -897,9 +900,7 @@ def test_fit_panel_in_a_browser(lab, browser):
     # finished; then one runs through
     page.locator(".widget-dropdown:has(label:text-is('pipeline P')) select").select_option("4")
     wait_status(page, r"ready: dp_pp: t 1 x P 4 x d 2 = 8 GPUs", 10)
-    stops = {"the Stop button": lambda: page.click(".widget-button:has-text('Stop')"),
-             "the kernel's Interrupt": lambda: interrupt_kernel(page)}  # fmt: skip
-    for by, stop in stops.items():
+    for by, stop in stoppers(page).items():
         page.click(".widget-button:has-text('Run')")
         wait_status(page, r"running dp_pp", 10)
         deadline = time.time() + 120
