@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from labkit.pipeline_schedules import SCHEDULES, spec
+from labkit.pipeline_schedules import SCHEDULES, check, spec
 from labkit.predict import ScheduleCosts, costs_from_steps, predict_step, simulate
 from labkit.predict.schedule import theory_bubble
 
@@ -129,23 +129,24 @@ def test_the_reader_takes_any_jittered_run_of_every_schedule():
     # and longer by another. Whatever the noise, the costs read back must drive the predictor
     # (CI's wrap-link IndexError came from such a run; the reader before its fix fails here)
     rng = random.Random(1)
+
+    def draw(k, lo, hi):
+        return tuple(rng.uniform(lo, hi) for _ in range(k))
+
     for _ in range(400):
         schedule = rng.choice(list(SCHEDULES))
         v = spec(schedule).virtual or rng.choice([1, 2])
         P, M = rng.choice([2, 3, 4]), rng.choice([1, 2, 3, 4, 6, 8])
         n = P * v
-
-        def draw(k, lo, hi):
-            return tuple(rng.uniform(lo, hi) for _ in range(k))
-
+        try:  # the configurations a run would accept
+            check(schedule, schedule, P, M, v, layers=n, impl="torch")
+        except ValueError:
+            continue
         costs = ScheduleCosts(
             draw(n, 0.1, 3), draw(n, 0.1, 3), draw(P, 0, 2), draw(P, 0, 0.5),
             input_s=draw(n, 0.1, 2), weight_s=draw(n, 0.1, 2), virtual=v,
         )  # fmt: skip
-        try:
-            events = simulate(schedule, M, costs)
-        except (ValueError, RuntimeError):  # a schedule that needs other counts of M or P
-            continue
+        events = simulate(schedule, M, costs)
         steps = []
         for _ in range(rng.choice([1, 2, 3])):
             noisy = [dict(e) for e in events]
