@@ -4,6 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600
+# tests/unit on every core (pytest-xdist); without nbval's plugin, whose import (jsonschema's
+# URI grammar) costs each process 3 s and which no unit test uses
+UNIT   := -p no:nbval -n auto --dist worksteal
 
 .PHONY: install demo test lint test-unit test-py test-nb test-browser chromium lab docs bench \
 	gpu-check clean
@@ -28,10 +31,11 @@ lint: $(STAMP)          ## ruff (lint and format check), import-linter (the laye
 	$(BIN)/lint-imports
 
 test-unit: $(STAMP)     ## the fast suite, to run after every edit: no test starts a process (slow: test-py)
-	$(BIN)/python -m pytest tests/unit -m "not slow"
+	$(BIN)/python -m pytest tests/unit $(UNIT) -m "not slow"
 
 test-py: $(STAMP)       ## tests/unit, tests/ranks (ranks, subprocesses), tests/course but the browser
-	$(BIN)/python -m pytest tests/unit tests/ranks tests/course --durations=40 \
+	$(BIN)/python -m pytest tests/unit $(UNIT) --durations=10
+	$(BIN)/python -m pytest tests/ranks tests/course --durations=40 \
 		--ignore=tests/course/test_browser.py
 
 test-nb: $(STAMP)       ## every notebook under nbval; nobody is there to guess: stand-ins fill in

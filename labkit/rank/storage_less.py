@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..dist import RankContext, cleanup
 
@@ -69,41 +69,49 @@ _FUNCTIONAL = {
     _F.isend, _F.irecv, _F.batch_p2p_ops,
 }  # fmt: skip
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_DEVICE = torch.ops.prim.device.default
 _PYTHON = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
 _INTEGER = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 
 
-class StorageLess(TorchDispatchMode):
-    """The dispatch mode above ``FakeTensorMode`` that puts back what it leaves out (see the
-    module docstring). ``reads``: numbers read out of tensors without data."""
+class StorageLess(FakeTensorMode):
+    """``FakeTensorMode`` with what it leaves out put back (see the module docstring): one mode,
+    so each operation is dispatched to Python once. ``reads``: numbers read out of tensors
+    without data."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(allow_non_fake_inputs=True)
+        self.labkit_dry_run = True  # not tracing: see _not_tracing
         self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and type(args[0]) is FakeTensor:  # C++ asking a tensor its device
+            t = args[0]  # (half of all calls): answered as FakeTensor answers it
+            return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
         kwargs = kwargs or {}
+        fake = super().__torch_dispatch__
         if types:  # tensors without data (FakeTensor) or wrapping them (DTensor): the fake
-            namespace = func.namespace  # mode below, but for three kinds of operation
+            namespace = func.namespace  # mode's, but for three kinds of operation
             if namespace == "aten":
                 if func is _SCALAR and isinstance(args[0], FakeTensor):  # a number read out
                     self.reads += 1  # of a tensor without data
                     return False if args[0].dtype == torch.bool else 0
-                return func(*args, **kwargs)
+                return fake(func, types, args, kwargs)
             if namespace == "c10d":
                 return self._collective(func, args, kwargs)
             if namespace == "_c10d_functional" and func.overloadpacket in _FUNCTIONAL:
-                out = func(*args, **kwargs)  # the result's shape, from the fake mode below
-                self._fire_functional(func, args, out)
+                out = fake(func, types, args, kwargs)  # the result's shape
+                if out is not NotImplemented:  # (a DTensor's: once it is unwrapped)
+                    self._fire_functional(func, args, out)
                 return out
-            return func(*args, **kwargs)
+            return fake(func, types, args, kwargs)
         # plain tensors only (bookkeeping: a mesh's ranks, a sampler's order), or none at all
         if func.namespace == "c10d":
             return self._collective(func, args, kwargs)
         if _has_tensor(args, kwargs) or _integer_factory(func, args, kwargs):
             with _disable_current_modes():
                 return func(*args, **kwargs)
-        return func(*args, **kwargs)  # a factory of floating-point tensors: without storage
+        return fake(func, types, args, kwargs)  # a factory of floating-point tensors
 
     def _collective(self, func, args, kwargs):
         """The CPU kernel with the storage-less tensors: it fires the group's hooks and calls
@@ -299,12 +307,9 @@ def storage_less():
     """Inside: every floating-point tensor made has no storage (``FakeTensorMode``), collectives
     are counted by the groups' hooks, and the per-strategy handling of ``patches()`` is on.
     Yields the ``StorageLess`` mode (its ``reads``)."""
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    fake.labkit_dry_run = True  # not tracing: see _not_tracing
     mode = StorageLess()
     with ExitStack() as stack:
         stack.enter_context(patches())
-        stack.enter_context(fake)
         stack.enter_context(mode)
         yield mode
 

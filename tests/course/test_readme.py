@@ -348,7 +348,8 @@ def test_make_targets_are_the_commands_the_readme_names():
     for folder in ("tests/unit", "tests/ranks", "tests/course"):
         assert folder in dry, f"make test no longer runs {folder}"
     unit = make_dry("test-unit")  # the edit loop leaves the slow unit tests to test-py
-    assert unit.stdout.strip().endswith('-m pytest tests/unit -m "not slow"'), unit.stdout
+    assert "-m pytest tests/unit -p no:nbval -n auto" in unit.stdout, unit.stdout
+    assert unit.stdout.strip().endswith('-m "not slow"'), unit.stdout
     assert "not slow" not in make_dry("test-py").stdout
     assert (REPO / ".ci" / "run").read_text().strip().endswith("make test")
 

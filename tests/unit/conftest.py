@@ -1,6 +1,7 @@
 """tests/unit starts no process: no rank, no subprocess, no fork, so the whole folder runs in
 seconds after every edit (``make test-unit``). A test here that tries fails, saying what it
-started; it belongs in tests/ranks."""
+started; it belongs in tests/ranks. Nothing here depends on another test or on time, so the
+folder runs on every core (pytest-xdist's ``-n auto``: the Makefile's targets)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import os
 import subprocess
 
 import pytest
+import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: a torch thread each, or
+    torch.set_num_threads(1)  # each worker's second thread waits on another worker's core
 
 LAUNCH = importlib.import_module("labkit.launch")  # the module: ``labkit.launch`` is the function
 

@@ -26,7 +26,7 @@ from ... import registry
 from ...predict import layout as advisor
 from ...predict import memory as calc
 from .beside import GATHERED, beside, traffic_beside
-from .core import Transformer, dryrun, layout_config
+from .core import Transformer, dry_config, dryrun, factories, layout_config, ranks_that_differ
 
 GB = 1e9
 # untied: labkit's FSDP wraps each block, and FSDP2 refuses a weight shared by two groups
@@ -62,8 +62,13 @@ def zero_paper(world_size: int = 64, stages=(0, 1, 2, 3)) -> pd.DataFrame:
             rows.append({**row, "error": "no strategy in torch shards the gradients alone "
                                          "(ZeRO-2): FSDP2 shards parameters too"})  # fmt: skip
             continue
-        cfg = shape.config(strategy=name, world_size=world_size, global_batch=world_size)
-        run = dryrun(cfg, shape=shape, recipe="paper")
+        cfg = dry_config(shape.config(strategy=name, world_size=world_size,
+                                      global_batch=world_size), shape=shape)  # fmt: skip
+        # the figure is the fullest rank's, which ranks_that_differ names first (ZeRO-1's
+        # largest partition): only it runs
+        first, role = ranks_that_differ(cfg, factories(cfg, shape, "paper", None))[0]
+        run = dryrun(cfg, shape=shape, recipe="paper", rank=first)
+        run.ranks[0].role = role
         if run.failed:
             rows.append({**row, "error": run.failed[0].error})
             continue
