@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import typing
 
 from .config import RunConfig
@@ -24,9 +25,16 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+@functools.cache
+def _hints() -> dict:
+    """RunConfig's annotations, evaluated once (each evaluation reads every field's: 2 ms, and a
+    command's parser asks for each field of each subcommand)."""
+    return typing.get_type_hints(RunConfig)
+
+
 def _kind(f: dataclasses.Field) -> type:
     """A field's value type, ``int | None`` read as int (None is its default)."""
-    hint = typing.get_type_hints(RunConfig)[f.name]
+    hint = _hints()[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
