@@ -81,13 +81,11 @@ class StorageLess(FakeTensorMode):
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
-        self.labkit_dry_run = True  # not tracing: see _not_tracing
         self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and type(args[0]) is FakeTensor:  # C++ asking a tensor its device
-            t = args[0]  # (half of all calls): answered as FakeTensor answers it
-            return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+        if func is _DEVICE and type(args[0]) is FakeTensor:  # C++ asking a tensor its device:
+            return _fake_device(args[0])  # half of all calls
         kwargs = kwargs or {}
         fake = super().__torch_dispatch__
         if types:  # tensors without data (FakeTensor) or wrapping them (DTensor): the fake
@@ -148,6 +146,13 @@ class StorageLess(FakeTensorMode):
                 raise NotImplementedError(
                     f"the dry run does not count {func} yet: add it to StorageLess._fire_functional"
                 )
+
+
+def _fake_device(t: FakeTensor) -> torch.device:
+    """The device a fake tensor reports, as ``FakeTensor.__torch_dispatch__`` answers
+    ``prim.device`` without a trip through the mode (its private fields: written for torch
+    2.14)."""
+    return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
 
 
 def _inputs(arg) -> list:
@@ -355,7 +360,7 @@ def _not_tracing(original):
 
     def are_we_tracing() -> bool:
         fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
-        if fake is not None and getattr(fake, "labkit_dry_run", False):
+        if isinstance(fake, StorageLess):
             return False
         return original()
 
