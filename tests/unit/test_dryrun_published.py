@@ -15,14 +15,15 @@ pytestmark = pytest.mark.slow
 MB = 1e6
 
 
-def test_zero_papers_model_states_per_gpu_within_named_choices():
-    table = P.zero_paper(world_size=64).set_index("stage")
-    assert table.loc[2, "error"] and "ZeRO-2" in table.loc[2, "error"]  # said, not computed
-    for stage in (0, 1, 3):
-        row = table.loc[stage]
-        assert not isinstance(row["error"], str), row["error"]
-        assert abs(row["difference"]) > 1 * MB  # the figure alone is off...
-        assert abs(row["residual"]) < 1 * MB, (stage, row["why"])  # ...its named choices not
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_papers_model_states_per_gpu_within_named_choices(stage):
+    row = P.zero_paper(world_size=64, stages=(stage,)).set_index("stage").loc[stage]
+    if stage == 2:
+        assert row["error"] and "ZeRO-2" in row["error"]  # said, not computed
+        return
+    assert not isinstance(row["error"], str), row["error"]
+    assert abs(row["difference"]) > 1 * MB  # the figure alone is off...
+    assert abs(row["residual"]) < 1 * MB, (stage, row["why"])  # ...its named choices not
 
 
 @pytest.mark.parametrize("shape", [P.GPT3_175B, P.MT_NLG_530B], ids=["175B", "530B"])
