@@ -36,6 +36,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import torch.distributed as dist
+
 from ..config import RunConfig
 from ..dist import RankContext
 from ..wire import traffic, watch_all
@@ -282,7 +284,9 @@ class Calibration:
     backward is timed under ``no_sync()`` (no communication) on a side batch from the loader
     (the training order untouched), per sample (a rank's share of the batch may change), and
     what a step's backward takes beyond it is exposed communication. At step ``at``: the first
-    measured one, or the first of all when a straggler's sleep needs it from the start."""
+    measured one, or the first of all when a straggler's sleep needs it from the start. The
+    ranks then meet at a barrier, so the step's first all-reduce holds no wait for a peer that
+    finished calibrating later (its exposed communication would read the wait)."""
 
     def __init__(self, model, loss_fn, amp, loader, device):
         self.model, self.loss_fn, self.amp, self.loader, self.device = (
@@ -302,6 +306,9 @@ class Calibration:
         with self.amp.autocast():
             seconds = backward_time_without_comm(self.model, self.loss_fn, side, self.device)
         self.per_sample = seconds / len(side[0])
+        group = getattr(self.model, "process_group", None)
+        if group is not None and dist.is_initialized():  # each rank calibrated alone and they
+            dist.barrier(group=group)  # finished apart: the step's all-reduce must not wait
         return True
 
     def baseline(self, samples: int) -> float | None:

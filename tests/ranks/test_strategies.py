@@ -2,15 +2,19 @@
 
 Here, the tests that run ranks or subprocesses; the rest: tests/unit/test_strategies.py."""
 
+import time
+
 import pytest
 import torch
 from torch import nn
 
-from labkit import RunConfig, experiment
+from labkit import RunConfig, experiment, launch
 from labkit.data import ToyClassification
 from labkit.labs import equivalence
+from labkit.rank import watch
 from labkit.rank.probes import TIME_COLUMNS
 from labkit.records import BUSY_SHARE, summarize
+from labkit.strategies import run_rank
 from tests.helpers.models import centred_mlp
 
 SMALL = RunConfig(width=64, depth=2, global_batch=32, dataset_size=512, steps=4, warmup=1)
@@ -207,3 +211,26 @@ def test_phases_hold_the_work_put_in_them_and_steps_match_an_outside_clock(tmp_p
         step = records[records["rank"] == rank].sort_values("step")["step_s"].iloc[: len(between)]
         gap = sorted(b - s for b, s in zip(between, step))[len(between) // 2]
         assert 0 <= gap < 0.005, (between, list(step))  # forward to forward = step + a little
+
+
+def _calibration_slow_on_rank_0(ctx, cfg):
+    """DDP's rank, rank 0 finishing its calibration 0.5 s after rank 1."""
+    timed = watch.backward_time_without_comm
+
+    def slow(*args, **kwargs):
+        seconds = timed(*args, **kwargs)  # (its first forward may meet the peer: DDP's bucket
+        if ctx.rank == 0:  # rebuild broadcasts; so the delay comes after it)
+            time.sleep(0.5)
+        return seconds
+
+    watch.backward_time_without_comm = slow
+    return run_rank(ctx, cfg)
+
+
+def test_a_rank_that_calibrates_later_is_not_read_as_the_next_step_s_communication():
+    # each rank times its backward alone before the first measured step: rank 1, done 0.5 s
+    # sooner, waits for rank 0 at the calibration's barrier, not in that step's all-reduce
+    cfg = SMALL.replace(strategy="ddp", world_size=2)
+    first = [r["records"][0] for r in launch(_calibration_slow_on_rank_0, 2, args=(cfg,))]
+    for rec in first:
+        assert rec["comm_s"] < 0.25 and rec["step_s"] < 0.25, rec
