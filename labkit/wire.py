@@ -21,7 +21,10 @@ Two quantities per operation:
 
 ``traffic()`` is this process's running tally; the training loop reads it once per step
 (``Traffic.take``). With ``timing`` on, each collective's interval in flight (issued to
-completed, read from its future on the ``perf_counter`` clock every record uses) is kept too.
+completed, read on the ``perf_counter`` clock every record uses) is kept too. Its end is read by
+one waiting thread (``_Ends``), not by a callback on the backend's thread: a Python callback there
+takes the GIL, and while it waits for it, gloo's thread cannot start the next bucket's all-reduce
+(DDP on 2 CPU ranks: 4-9 % slower per step, ``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -105,9 +108,9 @@ class Traffic:
     """Operations, payload and bytes sent since the last ``take()``; with ``timing`` on, the
     interval each collective was in flight.
 
-    A timed collective's interval ends in a completion callback on the backend's thread, which
-    only puts it on a queue (``queue.SimpleQueue``: no Python lock, no condition), so the
-    callback costs the backend's thread as little as it can; ``take`` collects them."""
+    A timed collective's interval ends where ``_Ends`` reads the clock, after waiting for it,
+    and is put on a queue (``queue.SimpleQueue``: no Python lock, no condition); ``take``
+    collects them."""
 
     calls: int = 0
     payload: int = 0
@@ -131,8 +134,8 @@ class Traffic:
         (seconds during which any timed collective was in flight: the union of their
         intervals), ``comm_untimed`` (operations that were not timed) and the intervals
         themselves (``spans``: op, start, end, payload). A collective that completed (DDP
-        waits for its buckets before backward returns) may still have its completion callback
-        queued on the backend's thread: wait up to ``settle_s`` in all for those."""
+        waits for its buckets before backward returns) may not have had its end read yet by
+        ``_Ends``' thread: wait up to ``settle_s`` in all for those."""
         with self._lock:
             issued, self.issued = self.issued, 0
             out = {
@@ -154,7 +157,7 @@ class Traffic:
                 }
                 self.tagged = {name: {} for name in self.tagged}
         spans, deadline = [], None
-        for _ in range(issued):  # released the moment each callback runs (no polling)
+        for _ in range(issued):  # released the moment each end is queued (no polling)
             try:
                 spans.append(self._done.get_nowait())
                 continue
@@ -162,7 +165,7 @@ class Traffic:
                 deadline = deadline or time.perf_counter() + settle_s
             try:
                 spans.append(self._done.get(timeout=max(0.0, deadline - time.perf_counter())))
-            except queue.Empty:  # a lost callback: not waited on again
+            except queue.Empty:  # an end never read: not waited on again
                 break
         busy, end = 0.0, float("-inf")
         for _, a, b, _ in sorted(spans, key=lambda s: s[1]):
@@ -172,6 +175,46 @@ class Traffic:
 
 
 _TRAFFIC = Traffic()
+
+
+class _Ends:
+    """The thread that reads when each timed collective of a gloo group completed: it waits for
+    their futures in the order they were issued, reads the clock and queues the interval. gloo's
+    futures hold CPU tensors, so a wait joins no stream. One per process, started the first time
+    it is needed. A collective that completes before the one issued ahead of it (gloo runs two
+    at once) has its end read when that one's is: its interval lies inside the earlier one's,
+    so the time any collective was in flight (``comm_in_flight_s``) is unchanged."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: tuple) -> None:
+        """Read when ``item``'s future (future, op, start, payload) completes."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="labkit-wire", daemon=True)
+            self._thread.start()
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        while True:
+            future, op, t0, payload = self._queue.get()
+            try:
+                future.wait()
+            except Exception:  # a failed collective: its caller's own wait raises the error
+                pass
+            _TRAFFIC._done.put((op, t0, time.perf_counter(), payload))
+
+
+_ENDS = _Ends()
+
+
+def _backend(pg: dist.ProcessGroup) -> str:
+    """The name of ``pg``'s backend ("gloo", "nccl", a dry run's), "" where torch cannot say."""
+    try:
+        return str(dist.get_backend(pg))
+    except (RuntimeError, ValueError):
+        return ""
 
 
 def traffic() -> Traffic:
@@ -234,6 +277,7 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
         return
     pg = group if group is not None else dist.group.WORLD
     n, me, started, done, lock = pg.size(), pg.rank(), {}, _TRAFFIC._done.put, _TRAFFIC._lock
+    gloo = _backend(pg) == "gloo"
     # The hooks run inside every collective (DDP's: inside backward), so they do as little as
     # they can: operations keyed by their value (hashing torch's enum is a call into C++ each
     # time), and the share of the payload an all-reduce or reduce-scatter puts on the wire
@@ -284,8 +328,13 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
             return
         with _TRAFFIC._lock:
             _TRAFFIC.issued += 1
-        # on the backend's thread when it completes: read the clock, queue the interval
-        future.add_done_callback(lambda fut: done((op, t0, time.perf_counter(), payload)))
+        if future.done():  # finished as it was issued (a dry run's backend)
+            done((op, t0, time.perf_counter(), payload))
+        elif gloo:
+            _ENDS.put((future, op, t0, payload))
+        else:  # another backend's future may carry CUDA streams, which a wait would join:
+            # read the clock in its completion callback, on the backend's thread
+            future.add_done_callback(lambda fut: done((op, t0, time.perf_counter(), payload)))
 
     pg.register_pre_hook(HOOK_ID, pre)
     pg.register_post_hook(HOOK_ID, post)

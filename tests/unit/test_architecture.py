@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import pathlib
 import sys
@@ -24,19 +25,31 @@ from labkit.worker import build_parser as worker_parser
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "labkit"
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the labkit modules it imports, every import statement counted (inside
-    functions and under TYPE_CHECKING too): read from the source, not from sys.modules."""
-    modules = {}
+@functools.cache
+def _imports() -> dict[str, tuple[pathlib.Path, tuple[ast.stmt, ...]]]:
+    """Module -> its file and every import statement in it (inside functions and under
+    TYPE_CHECKING too), parsed once per test process: the tests below read the same sources."""
+    out = {}
     for path in ROOT.rglob("*.py"):
         parts = path.relative_to(ROOT.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        modules[name] = path
+        tree = ast.parse(path.read_text())
+        out[name] = (
+            path,
+            tuple(n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))),
+        )
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the labkit modules it imports, every import statement counted (inside
+    functions and under TYPE_CHECKING too): read from the source, not from sys.modules."""
+    modules = {name: path for name, (path, _) in _imports().items()}
     graph = {}
-    for name, path in modules.items():
+    for name, (path, nodes) in _imports().items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in nodes:
             if isinstance(node, ast.ImportFrom):
                 base = package[: len(package) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
@@ -45,10 +58,8 @@ def import_graph() -> dict[str, set[str]]:
                     f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target
                     for a in node.names
                 ]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
             else:
-                continue
+                targets = [a.name for a in node.names]
             for t in targets:
                 while t not in modules and "." in t:
                     t = t.rsplit(".", 1)[0]
@@ -102,14 +113,11 @@ def test_the_cycle_check_finds_a_cycle_made_inside_a_function():
 def test_every_relative_import_names_a_module_that_exists():
     """Imports inside functions run only when called: a moved module's broken one would wait
     for the one test (or user) that calls it."""
-    modules = {
-        ".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in ROOT.rglob("*.py")
-    }
+    modules = _imports()
     broken = []
-    for name, path in modules.items():
+    for name, (path, nodes) in modules.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in nodes:
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package[: len(package) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
