@@ -171,12 +171,14 @@ def calibrate(steps: int = 30, folder: str | None = None, pace_s: float = 0.0) -
         if len(out) != 2:
             raise RuntimeError("calibration: a 1-worker run did not finish")
         two = _timed_run(cfg(steps, 2, "two"))
-        # resume the first 1-worker job's checkpoint for as many steps again
-        resumed = _timed_run(cfg(2 * steps, 1, "one0"))
+        # resume each 1-worker job's checkpoint for as many steps again, one after the other:
+        # the smaller cost of the two, since a hiccup only ever adds time, and one resume's
+        # would be charged to every preemption the simulator makes
+        resumed = [_timed_run(cfg(2 * steps, 1, f"one{i}")) for i in range(2)]
         rate1 = statistics.mean(n / s for _, s, n, _ in out.values())
         fixed1 = statistics.mean(w - s for w, s, _, _ in out.values())
-        extra = max(0.0, (resumed[0] - resumed[1]) - fixed1)
-        busy = any(r[3] for r in (*out.values(), two, resumed))
+        extra = max(0.0, min(w - s for w, s, _, _ in resumed) - fixed1)
+        busy = any(r[3] for r in (*out.values(), two, *resumed))
         return Calibration(
             {1: rate1, 2: two[2] / two[1]}, {1: fixed1, 2: two[0] - two[1]}, extra, busy
         )
