@@ -24,7 +24,7 @@ Two quantities per operation:
 completed, read on the ``perf_counter`` clock every record uses) is kept too. Its end is read by
 one waiting thread (``_Ends``), not by a callback on the backend's thread: a Python callback there
 takes the GIL, and while it waits for it, gloo's thread cannot start the next bucket's all-reduce
-(DDP on 2 CPU ranks: 4-9 % slower per step, ``benchmarks/README.md``).
+(DDP on 2 CPU ranks: about 3 % slower per step, ``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -188,12 +188,16 @@ class _Ends:
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # ranks run as threads of one process start it once
 
     def put(self, item: tuple) -> None:
         """Read when ``item``'s future (future, op, start, payload) completes."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="labkit-wire", daemon=True)
-            self._thread.start()
+            with self._lock:
+                if self._thread is None:
+                    thread = threading.Thread(target=self._run, name="labkit-wire", daemon=True)
+                    thread.start()
+                    self._thread = thread
         self._queue.put(item)
 
     def _run(self) -> None:
