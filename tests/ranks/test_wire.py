@@ -138,9 +138,9 @@ def _timed_while_the_gil_is_held(ctx, ops: int, hold_s: float) -> dict:
 
 def test_timing_a_gloo_collective_never_stalls_gloo_behind_the_gil():
     # Each timed collective's end is read by labkit's own waiting thread. Read in a callback on
-    # gloo's thread instead, that thread waits for the GIL after each collective it finishes and
-    # starts no other: with the GIL held, only as many collectives as gloo has threads (2)
-    # complete, and DDP's next bucket waits on a 2-core machine (benchmarks/README.md).
+    # gloo's thread instead, that thread waits for the GIL after a collective finishes and starts
+    # no other meanwhile (0 of the 8 completed with the callback), so DDP's next bucket waited
+    # while the main thread ran Python (benchmarks/README.md).
     results = launch(_timed_while_the_gil_is_held, 2, args=(8, 1.0), device="cpu")
     for r in results:
         assert r["completed"] == 8, r
