@@ -207,10 +207,15 @@ class _Ends:
                 future.wait()
             except Exception:  # a failed collective: its caller's own wait raises the error
                 pass
-            _TRAFFIC._done.put((op, t0, time.perf_counter(), payload))
+            _ended(op, t0, payload)
 
 
 _ENDS = _Ends()
+
+
+def _ended(op: str, t0: float, payload: int) -> None:
+    """A timed collective issued at ``t0`` has ended now: queue its interval for ``take``."""
+    _TRAFFIC._done.put((op, t0, time.perf_counter(), payload))
 
 
 def _backend(pg: dist.ProcessGroup) -> str:
@@ -280,7 +285,7 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
     if not COUNTING:
         return
     pg = group if group is not None else dist.group.WORLD
-    n, me, started, done, lock = pg.size(), pg.rank(), {}, _TRAFFIC._done.put, _TRAFFIC._lock
+    n, me, started, lock = pg.size(), pg.rank(), {}, _TRAFFIC._lock
     gloo = _backend(pg) == "gloo"
     # The hooks run inside every collective (DDP's: inside backward), so they do as little as
     # they can: operations keyed by their value (hashing torch's enum is a call into C++ each
@@ -333,12 +338,12 @@ def watch(group: dist.ProcessGroup | None = None) -> None:
         with _TRAFFIC._lock:
             _TRAFFIC.issued += 1
         if future.done():  # finished as it was issued (a dry run's backend)
-            done((op, t0, time.perf_counter(), payload))
+            _ended(op, t0, payload)
         elif gloo:
             _ENDS.put((future, op, t0, payload))
         else:  # another backend's future may carry CUDA streams, which a wait would join:
             # read the clock in its completion callback, on the backend's thread
-            future.add_done_callback(lambda fut: done((op, t0, time.perf_counter(), payload)))
+            future.add_done_callback(lambda fut: _ended(op, t0, payload))
 
     pg.register_pre_hook(HOOK_ID, pre)
     pg.register_post_hook(HOOK_ID, post)
