@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.procs import assert_no_ranks
 
@@ -15,7 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def gpus_present() -> int:
-    """GPUs this torch can use (0 on a CPU-only build or a machine without one)."""
+    """GPUs this torch can use (0 on a CPU-only build or a machine without one). torch is
+    imported here, where tests are collected: pytest-xdist's controller collects none, and
+    importing torch there (4 s) would delay every worker's start."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

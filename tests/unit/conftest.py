@@ -12,12 +12,11 @@ import os
 import subprocess
 
 import pytest
-import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: a torch thread each, or
-    torch.set_num_threads(1)  # each worker's second thread waits on another worker's core
+    import torch  # each worker's second thread waits on another worker's core (torch is not
 
-LAUNCH = importlib.import_module("labkit.launch")  # the module: ``labkit.launch`` is the function
+    torch.set_num_threads(1)  # imported in xdist's controller, which runs no test)
 
 
 def _refuse(what: str):
@@ -35,4 +34,5 @@ def no_process(monkeypatch):
     monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", _refuse("a forkserver"))
     monkeypatch.setattr(os, "fork", _refuse("a fork"))
     monkeypatch.setattr(os, "posix_spawn", _refuse("a process (posix_spawn)"))
-    monkeypatch.setattr(LAUNCH, "launch", _refuse("ranks (labkit.launch)"))
+    launch = importlib.import_module("labkit.launch")  # the module (labkit.launch: the function)
+    monkeypatch.setattr(launch, "launch", _refuse("ranks (labkit.launch)"))
