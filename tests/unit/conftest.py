@@ -13,10 +13,12 @@ import subprocess
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: a torch thread each, or
-    import torch  # each worker's second thread waits on another worker's core (torch is not
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: xdist's controller runs no test and
+    import torch  # does not import torch (4 s before any worker starts)
 
-    torch.set_num_threads(1)  # imported in xdist's controller, which runs no test)
+    # one worker per core: a torch thread each, or each worker's second thread waits on
+    # another worker's core
+    torch.set_num_threads(1)
 
 
 def _refuse(what: str):
