@@ -445,10 +445,14 @@ def test_communication_panels_in_a_browser(lab, browser):
 
     # Run was disabled and enabled again by the kernel (the fp16 run): the kernel's Interrupt
     # still stops a long run (this panel has no "cannot run" state: the batch grows with the
-    # world size)
+    # world size). A run long on any machine: 100 steps alone ended in 1.3 s on a quiet 2-core
+    # one, before the Interrupt's two menu clicks landed; 8 micro-batches a step, each
+    # synchronised, take about 9 s there
     knobs.nth(1).select_option("none")
     set_slider(page, "steps", "100")
-    wait_status(page, r"ready: ddp@2", 10)
+    set_slider(page, "accumulate", "8")
+    page.check(".widget-checkbox:has-text('sync every micro-batch') input[type=checkbox]")
+    wait_status(page, r"ready: ddp@2, accumulate 8 \(sync every\)", 10)
     seen, t0 = run_and_watch_bars(
         page, ".widget-button:has-text('Run') >> nth=0", lambda: interrupt_kernel(page)
     )
