@@ -445,9 +445,9 @@ def test_communication_panels_in_a_browser(lab, browser):
 
     # Run was disabled and enabled again by the kernel (the fp16 run): the kernel's Interrupt
     # still stops a long run (this panel has no "cannot run" state: the batch grows with the
-    # world size). A run long on any machine: 100 steps alone ended in 1.3 s on a quiet 2-core
-    # one, before the Interrupt's two menu clicks landed; 8 micro-batches a step, each
-    # synchronised, take about 9 s there
+    # world size). A long run, set with the panel's own controls: 100 steps alone ended in 1.3 s
+    # on a quiet 2-core host, before the Interrupt's two menu clicks landed; 8 micro-batches a
+    # step, each synchronised, take about 9 s there
     knobs.nth(1).select_option("none")
     set_slider(page, "steps", "100")
     set_slider(page, "accumulate", "8")
