@@ -13,8 +13,10 @@ import subprocess
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker: xdist's controller runs no test and
-    import torch  # does not import torch (4 s before any worker starts)
+# only in a worker: xdist's controller runs no test and does not import torch (4 s before any
+# worker starts)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
 
     # one worker per core: a torch thread each, or each worker's second thread waits on
     # another worker's core
